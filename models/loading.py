@@ -1,0 +1,247 @@
+"""Finding, recognising and loading FLUX.2 [klein] checkpoints in the layouts users have.
+
+- HF diffusers folder: model_index.json, transformer/ vae/ text_encoder/ (sharded safetensors with an
+  index), tokenizer/.
+- BFL single files: the transformer (keys with or without `model.diffusion_model.`) and the VAE.
+- ComfyUI split files: models/diffusion_models/, models/text_encoders/, models/vae/.
+
+Every file is recognised from its safetensors header (which tensors it holds), never from its name.
+`inspect()` reads headers only and returns a `ModelSpec`: per component its files, dtype,
+hyperparameters and bytes per block, which is what the planner plans from. `load()` then builds one
+component from its spec.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import flux2, qwen3, vae
+from .common import CheckpointError, TensorInfo, read_header, read_headers, strip_prefix
+
+COMPONENTS = ("transformer", "text_encoder", "vae")
+_PREFIXES = {
+    "transformer": flux2.BFL_PREFIXES,
+    "text_encoder": (),
+    "vae": ("vae.", "first_stage_model."),
+}
+_DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+_ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def kind_of(keys: Iterable[str]) -> str | None:
+    """Which component a tensor table is, from its key names; None if none of ours."""
+    keys = set(keys)
+    for k in keys:
+        bare = k
+        for p in flux2.BFL_PREFIXES + _PREFIXES["vae"]:
+            bare = bare.removeprefix(p)
+        if bare in ("img_in.weight", "x_embedder.weight"):
+            return "transformer"
+        if bare in ("decoder.conv_in.weight", "encoder.conv_in.weight"):
+            return "vae"
+        if re.fullmatch(r"(model\.)?layers\.0\.self_attn\.q_norm\.weight", bare):
+            return "text_encoder"
+    return None
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One component as its checkpoint headers describe it: enough to plan, before loading a byte."""
+
+    kind: str
+    layout: str  # where it was found: "hf" (diffusers folder), "comfyui" (models/ folder), "files", "file"
+    files: tuple[Path, ...]
+    dtype: str  # storage dtype of most of its bytes: "bf16", "fp16", "fp32"
+    config: object  # flux2.Flux2Config | qwen3.Qwen3Config | vae.VAEConfig
+    block_params: tuple[tuple[str, int], ...]  # (block name, parameter count) of what gets loaded
+    file_bytes: int  # bytes of the tensors in the files (all of them, loaded or not)
+    infos: Mapping[str, TensorInfo] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def params(self) -> int:
+        return sum(n for _, n in self.block_params)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the weights once loaded in `dtype`."""
+        return self.params * _ITEMSIZE[dtype]
+
+    def block_bytes(self, dtype: torch.dtype) -> dict[str, int]:
+        return {name: n * _ITEMSIZE[dtype] for name, n in self.block_params}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A FLUX.2 [klein] model: its components, variant and whether it is step-distilled."""
+
+    variant: str  # "klein-4b", "klein-9b" or "custom"
+    distilled: bool
+    distilled_from: str  # where that came from: "model_index.json", "metadata", "file name", "default"
+    transformer: ComponentSpec | None
+    text_encoder: ComponentSpec | None
+    vae: ComponentSpec | None
+    tokenizer: Path | None  # tokenizer.json found beside the model, else None (the bundled one is used)
+
+    def component(self, kind: str) -> ComponentSpec:
+        spec = getattr(self, kind)
+        if spec is None:
+            raise CheckpointError(f"no {kind.replace('_', ' ')} checkpoint was given or found")
+        return spec
+
+
+def _block_of(name: str) -> str:
+    m = re.match(r"(double_blocks|single_blocks|layers)\.(\d+)\.", name)
+    if m:
+        return f"{m[1]}.{m[2]}"
+    m = re.match(r"(encoder|decoder)\.", name)
+    return m[1] if m else "shared"
+
+
+def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
+    infos = strip_prefix(read_headers(list(files)), _PREFIXES[kind])
+    if kind == "transformer":
+        cfg = flux2.config_from_checkpoint(infos)
+        src = flux2.sources(cfg, infos.keys())
+    elif kind == "text_encoder":
+        cfg = qwen3.config_from_checkpoint(infos)
+        src = qwen3.sources(cfg, infos.keys())
+    else:
+        cfg = vae.config_from_checkpoint(infos)
+        src = vae.sources(cfg, infos.keys())
+    blocks: dict[str, int] = {}
+    for name, s in src.items():
+        n = 0
+        for k in s.keys:
+            n1 = 1
+            for d in infos[k].shape:
+                n1 *= d
+            n += n1
+        blocks[_block_of(name)] = blocks.get(_block_of(name), 0) + n
+    by_dtype: dict[str, int] = {}
+    for info in infos.values():
+        by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes
+    main = max(by_dtype, key=by_dtype.get) if by_dtype else "BF16"
+    return ComponentSpec(kind, layout, tuple(files), _DTYPE_NAMES.get(main, main.lower()), cfg,
+                         tuple(blocks.items()), sum(by_dtype.values()), infos)
+
+
+def _candidates(files: Iterable[Path]) -> list[tuple[str, list[Path]]]:
+    """(component kind, files) for each checkpoint among `files`; the shards an index names are one."""
+    files = sorted(set(files))
+    groups: list[list[Path]] = []
+    sharded: set[Path] = set()
+    for index in sorted({f.parent for f in files}):
+        for idx in sorted(index.glob("*.safetensors.index.json")):
+            try:
+                shards = sorted({index / n for n in json.loads(idx.read_text())["weight_map"].values()})
+            except (OSError, ValueError, KeyError) as e:
+                raise CheckpointError(f"{idx}: unreadable shard index ({e})") from e
+            missing = [s for s in shards if not s.is_file()]
+            if missing:
+                raise CheckpointError(f"{idx} names shards that are missing: {', '.join(m.name for m in missing)}")
+            groups.append(shards)
+            sharded.update(shards)
+    groups += [[f] for f in files if f not in sharded]
+    out = []
+    for g in groups:
+        keys = [k for f in g for k in read_header(f)[0]]
+        kind = kind_of(keys)
+        if kind is not None:
+            out.append((kind, g))
+    return out
+
+
+def _find_tokenizer(*folders: Path) -> Path | None:
+    for d in folders:
+        for cand in (d / "tokenizer.json", d / "tokenizer" / "tokenizer.json"):
+            if cand.is_file():
+                return cand
+    return None
+
+
+def _distilled(index: dict | None, metas: Iterable[dict[str, str]], names: Iterable[str]) -> tuple[bool, str]:
+    if index is not None and "is_distilled" in index:
+        return bool(index["is_distilled"]), "model_index.json"
+    for meta in metas:
+        if "is_distilled" in meta:
+            return meta["is_distilled"].strip().lower() in ("1", "true", "yes"), "metadata"
+        title = " ".join(v for k, v in meta.items() if k.startswith("modelspec.")).lower()
+        if "klein" in title:
+            return "base" not in title, "metadata"
+    for n in names:
+        if re.search(r"(^|[-_.])base([-_.]|$)", n.lower()):
+            return False, "file name"
+    return True, "default"
+
+
+def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
+    """Recognise the components in the given files and folders by their headers, loading nothing.
+
+    A path may be an HF diffusers folder (with model_index.json), a ComfyUI `models/` folder (with
+    diffusion_models/, text_encoders/, vae/), a folder of single files, or single files. Each
+    component must be found exactly once; several candidates for one component is an error that
+    names them (pass the file you mean instead of the folder).
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    found: dict[str, list[tuple[str, list[Path]]]] = {k: [] for k in COMPONENTS}
+    index: dict | None = None
+    tokenizer: Path | None = None
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise CheckpointError(f"{p}: no such file or folder")
+        if p.is_file():
+            cands = _candidates([p])
+            if not cands:
+                raise CheckpointError(f"{p}: not a FLUX.2 transformer, Qwen3 text encoder or FLUX.2 VAE "
+                                      "(recognised from the tensor names in its header)")
+            layout, folders = "file", [p.parent]
+        elif (p / "model_index.json").is_file():
+            index = json.loads((p / "model_index.json").read_text())
+            cands = _candidates(f for kind in COMPONENTS for f in (p / kind).glob("*.safetensors"))
+            layout, folders = "hf", [p / "tokenizer", p]
+        else:
+            subdirs = [p / s for s in ("diffusion_models", "unet", "text_encoders", "clip", "vae") if (p / s).is_dir()]
+            cands = _candidates(f for d in (subdirs or [p]) for f in d.glob("*.safetensors"))
+            layout, folders = ("comfyui" if subdirs else "files"), [p, *subdirs]
+            if not cands:
+                raise CheckpointError(f"{p}: no FLUX.2 [klein] checkpoint in this folder")
+        for kind, files in cands:
+            found[kind].append((layout, files))
+        tokenizer = tokenizer or _find_tokenizer(*folders)
+    specs: dict[str, ComponentSpec | None] = {}
+    for kind in COMPONENTS:
+        cands = found[kind]
+        if len(cands) > 1:
+            names = ", ".join(str(fs[0]) for _, fs in cands)
+            raise CheckpointError(f"several {kind.replace('_', ' ')} checkpoints found ({names}); "
+                                  "pass the one you mean as a file")
+        specs[kind] = _component(kind, cands[0][0], cands[0][1]) if cands else None
+    tr = specs["transformer"]
+    variant = flux2.variant_name(tr.config) if tr is not None else "unknown"
+    metas = [read_header(f)[1] for f in (tr.files if tr is not None else ())]
+    distilled, source = _distilled(index, metas, [f.name for f in (tr.files if tr is not None else ())])
+    te = specs["text_encoder"]
+    if tr is not None and te is not None:
+        want = tr.config.context_dim
+        have = te.config.out_dim
+        if want != have:
+            raise CheckpointError(f"the text encoder gives {have}-wide embeddings but the transformer expects {want}: "
+                                  "klein-4B pairs with Qwen3-4B and klein-9B with Qwen3-8B")
+    return ModelSpec(variant, distilled, source, tr, te, specs["vae"], tokenizer)
+
+
+def load(spec: ComponentSpec, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+         parts: tuple[str, ...] = ("encoder", "decoder")) -> torch.nn.Module:
+    """Build one component from its spec: memory-mapped reads straight into a meta-built module."""
+    if spec.kind == "transformer":
+        return flux2.load_transformer(spec.infos, spec.config, dtype=dtype, device=device)
+    if spec.kind == "text_encoder":
+        return qwen3.load_qwen3(spec.infos, spec.config, dtype=dtype, device=device)
+    return vae.load_vae(spec.infos, spec.config, parts=parts, dtype=dtype, device=device)

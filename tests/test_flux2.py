@@ -119,7 +119,7 @@ def test_missing_tensor_is_a_clear_error(files):
 
 def test_not_a_transformer(tmp_path):
     save({"foo.weight": torch.zeros(2, 2)}, tmp_path / "x.safetensors")
-    with pytest.raises(CheckpointError, match="not a FLUX.2 transformer"):
+    with pytest.raises(CheckpointError, match=r"not a FLUX\.2 transformer"):
         flux2.config_from_checkpoint(read_header(tmp_path / "x.safetensors")[0])
 
 

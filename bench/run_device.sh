@@ -11,5 +11,5 @@ ln -sfn "$PWD" /tmp/pkgs/vramgraph
 export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD/bench PYTHONUNBUFFERED=1 QWEN_TOKENIZER_DIR=$PWD/.whl/tok
 for b in ${1:-equivalence speed load_rss}; do
   echo "== $b"
-  python3 "bench/$b.py" "$out/$b.json"
+  python3 "bench/$b.py" "$out/$b.json" || echo "== $b FAILED"
 done

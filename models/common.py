@@ -164,6 +164,20 @@ class _Files:
         self._handles.clear()
 
 
+PLAIN_DTYPES = ("F32", "BF16", "F16")
+
+
+def check_plain(sources: Mapping[str, Source], infos: Mapping[str, TensorInfo]) -> None:
+    """Refuse quantised weights (fp8 and the like): cast without their scales they would give a wrong image."""
+    for s in sources.values():
+        for k in s.keys:
+            info = infos.get(k)
+            if info is not None and info.dtype not in PLAIN_DTYPES:
+                where = f" in {info.file.name}" if info.file is not None else ""
+                raise CheckpointError(f"{k}{where} is stored as {info.dtype}: quantised checkpoints are not "
+                                      "supported; use the bf16 or fp32 file of this model")
+
+
 def load_weights(build: Callable[[], nn.Module], sources: Mapping[str, Source], infos: Mapping[str, TensorInfo], *,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> nn.Module:
     """Build a module on the meta device and fill it from checkpoint tensors, one tensor at a time.
@@ -178,6 +192,7 @@ def load_weights(build: Callable[[], nn.Module], sources: Mapping[str, Source], 
     missing = sorted(set(wanted) - set(sources))
     if missing:
         raise CheckpointError(f"no source for {len(missing)} weights, e.g. {missing[:3]}")
+    check_plain(sources, infos)
     files = _Files(infos)
     state = {}
     try:

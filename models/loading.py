@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import flux2, qwen3, vae
-from .common import CheckpointError, TensorInfo, read_header, read_headers, strip_prefix
+from .common import CheckpointError, TensorInfo, check_plain, read_header, read_headers, strip_prefix
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 _PREFIXES = {
@@ -113,6 +113,7 @@ def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
     else:
         cfg = vae.config_from_checkpoint(infos)
         src = vae.sources(cfg, infos.keys())
+    check_plain(src, infos)
     blocks: dict[str, int] = {}
     for name, s in src.items():
         n = 0

@@ -132,3 +132,17 @@ def test_rope_rotates_adjacent_pairs():
     y = flux2.apply_rope(x, table)
     assert torch.allclose(y[0, 0, 0, 96:98], torch.tensor([torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0))]))
     assert y[0, 0, 0, 0] == 1.0 and y[0, 0, 0, 1] == 0.0
+
+
+def test_quantised_checkpoint_is_refused(files, tmp_path):
+    """An fp8 file cast to bf16 without its scales would give a wrong image: it must be refused, by name."""
+    from safetensors.torch import load_file
+    from vramgraph.models import loading
+
+    sd = load_file(files / "bfl.safetensors")
+    sd["double_blocks.0.img_attn.qkv.weight"] = sd["double_blocks.0.img_attn.qkv.weight"].to(torch.float8_e4m3fn)
+    save(sd, tmp_path / "fp8.safetensors")
+    with pytest.raises(CheckpointError, match=r"img_attn\.qkv\.weight in fp8\.safetensors is stored as F8_E4M3"):
+        loading.inspect(tmp_path / "fp8.safetensors")
+    with pytest.raises(CheckpointError, match="quantised checkpoints are not supported"):
+        flux2.load_transformer(read_header(tmp_path / "fp8.safetensors")[0])

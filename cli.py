@@ -35,7 +35,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="vramgraph.png", help="PNG path (index appended for several prompts)")
     i = sub.add_parser("inspect", help="recognise checkpoints and print their spec (reads headers only)")
     i.add_argument("models", nargs="+")
+    d = sub.add_parser("demo", help="write tiny random-weight models and run the whole path on them (CPU)")
+    d.add_argument("--out", default="vramgraph-demo", help="folder for the tiny models and the two PNGs")
     return ap
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    pngs, seconds = run_demo(Path(args.out))
+    for p in pngs:
+        print(p)
+    log.info("random weights, so the pictures are noise; the whole path ran (%.1f s)", seconds)
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -87,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from .models.common import CheckpointError
 
     try:
-        return _inspect(args) if args.command == "inspect" else _generate(args)
+        return {"inspect": _inspect, "demo": _demo, "generate": _generate}[args.command](args)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"vramgraph {args.command}: {e}", file=sys.stderr)
         return 2

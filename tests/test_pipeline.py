@@ -186,3 +186,13 @@ def test_cli_writes_pngs(ckpts, tmp_path, capsys):
     assert '"variant": "custom"' in capsys.readouterr().out
     assert cli(["generate", str(tmp_path / "nowhere"), "--prompt", "x", "--out", str(tmp_path / "n.png")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_demo_runs_the_whole_path_on_tiny_models(tmp_path, capsys):
+    assert cli(["demo", "--out", str(tmp_path / "demo")]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(tmp_path / "demo" / "text_to_image.png"), str(tmp_path / "demo" / "edit.png")]
+    a, b = (np.asarray(Image.open(p)) for p in printed)
+    assert a.shape == b.shape == (256, 256, 3) and a.std() > 1 and not np.array_equal(a, b)
+    spec = loading.inspect(tmp_path / "demo" / "models")
+    assert spec.transformer.layout == "comfyui" and spec.text_encoder.config.n_built == 27

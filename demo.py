@@ -1,0 +1,60 @@
+"""`vramgraph demo`: the whole path on a machine without real weights.
+
+Writes tiny random-weight models shaped like FLUX.2 [klein] (transformer, Qwen3 encoder, VAE) as a
+ComfyUI `models/` folder with the real key names, then recognises, loads and runs them exactly as
+`vramgraph generate` does: a text-to-image and an edit of that image. The pictures are noise (the
+weights are random); what the demo shows is that the install, the loaders and the sampler work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .models.flux2 import KLEIN_4B, Flux2Transformer
+from .models.qwen3 import Qwen3Config, Qwen3Encoder
+from .models.vae import Flux2VAE, VAEConfig
+
+TINY_QWEN3 = dataclasses.replace(Qwen3Config(), hidden_size=64, intermediate_size=128, num_layers=27, num_heads=4,
+                                 num_kv_heads=2, head_dim=16)
+TINY_TRANSFORMER = dataclasses.replace(KLEIN_4B, hidden=256, heads=2, depth_double=1, depth_single=2,
+                                       context_dim=TINY_QWEN3.out_dim)
+TINY_VAE = dataclasses.replace(VAEConfig(), channels=(32, 32, 64, 64), layers_per_block=1)
+
+
+def write_tiny_models(models: Path, seed: int = 0) -> Path:
+    """A ComfyUI-style models/ folder holding tiny random-weight checkpoints; returns it."""
+    torch.manual_seed(seed)
+    parts = {
+        "diffusion_models/flux-2-klein-tiny.safetensors": Flux2Transformer(TINY_TRANSFORMER).state_dict(),
+        "text_encoders/qwen3-tiny.safetensors": {"model." + k: v for k, v in
+                                                 Qwen3Encoder(TINY_QWEN3).state_dict().items()},
+        "vae/flux2-vae-tiny.safetensors": Flux2VAE(TINY_VAE).state_dict(),
+    }
+    for rel, sd in parts.items():
+        path = models / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    return models
+
+
+def run_demo(out: Path, size: int = 256) -> tuple[list[Path], float]:
+    """Write the tiny models under `out`, then a text-to-image and an edit PNG; returns them and the seconds
+    the two generations took."""
+    from .models.pipeline import generate, load_models
+    from .models.sampling import images_from_pixels
+
+    out.mkdir(parents=True, exist_ok=True)
+    models = load_models(write_tiny_models(out / "models"), dtype=torch.float32, device="cpu")
+    t0 = time.perf_counter()
+    first = images_from_pixels(generate(models, "a lighthouse at dusk", width=size, height=size, seed=1))[0]
+    edit = images_from_pixels(generate(models, "make it winter", width=size, height=size, seed=2,
+                                       references=[first]))[0]
+    paths = [out / "text_to_image.png", out / "edit.png"]
+    first.save(paths[0])
+    edit.save(paths[1])
+    return paths, time.perf_counter() - t0

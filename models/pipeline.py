@@ -16,7 +16,7 @@ from PIL import Image
 
 from . import loading
 from .flux2 import Flux2Transformer
-from .qwen3 import PromptTokenizer, Qwen3Encoder
+from .qwen3 import PromptTokenizer, Qwen3Encoder, encode_prompts
 from .sampling import Progress, latent_size, noise, pack_references, prepare_reference, sample, sigmas
 from .vae import Flux2VAE
 
@@ -39,22 +39,13 @@ def load_models(paths: str | Path | Sequence[str | Path], *, dtype: torch.dtype 
                 device: str | torch.device = "cpu") -> Flux2Models:
     """Inspect the checkpoints at `paths` and load every component onto `device`."""
     spec = loading.inspect(paths)
-    tok = PromptTokenizer.from_file(spec.tokenizer) if spec.tokenizer is not None else PromptTokenizer.bundled()
     return Flux2Models(
         transformer=loading.load(spec.component("transformer"), dtype=dtype, device=device),
         text_encoder=loading.load(spec.component("text_encoder"), dtype=dtype, device=device),
         vae=loading.load(spec.component("vae"), dtype=dtype, device=device),
-        tokenizer=tok,
+        tokenizer=PromptTokenizer.find(spec.tokenizer),
         distilled=spec.distilled,
     )
-
-
-@torch.no_grad()
-def encode_text(models: Flux2Models, prompts: Sequence[str]) -> torch.Tensor:
-    """Prompt embeddings (B, 512, 3 * hidden) on the text encoder's device and dtype."""
-    dev = models.text_encoder.embed_tokens.weight.device
-    ids, mask = models.tokenizer.encode(list(prompts))
-    return models.text_encoder(ids.to(dev), mask.to(dev))
 
 
 @torch.no_grad()
@@ -78,8 +69,8 @@ def generate(models: Flux2Models, prompt: str | Sequence[str], *, width: int = 1
     steps = steps if steps is not None else (DISTILLED_STEPS if models.distilled else BASE_STEPS)
     guidance = guidance if guidance is not None else (DISTILLED_GUIDANCE if models.distilled else BASE_GUIDANCE)
     h, w = latent_size(width, height)
-    context = encode_text(models, prompts)
-    neg = encode_text(models, [negative] * len(prompts)) if guidance != 1.0 else None
+    context = encode_prompts(models.text_encoder, models.tokenizer, prompts)
+    neg = encode_prompts(models.text_encoder, models.tokenizer, [negative] * len(prompts)) if guidance != 1.0 else None
     refs = pack_references(encode_references(models, references)) if references else None
     start = noise(seed, len(prompts), h, w)
     latent = sample(models.transformer, start, context, sigmas(steps, h * w), negative=neg, guidance=guidance,

@@ -1,0 +1,83 @@
+"""Model specs from headers alone, at the real sizes: files whose headers describe the real FLUX.2-klein
+tensors but hold no data (they could not be loaded; inspect must not need to)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from vramgraph.models import flux2, loading, qwen3, vae
+from vramgraph.models.common import CheckpointError
+
+GiB = 2**30
+
+
+def header_only(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> Path:
+    """A safetensors file with a true header for `shapes` and no tensor bytes after it."""
+    table, off = {}, 0
+    for k, shape in shapes.items():
+        n = 2 if dtype in ("BF16", "F16") else 4
+        for d in shape:
+            n *= d
+        table[k] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(table).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return path
+
+
+def shapes_of(module: torch.nn.Module, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    return {prefix + n: tuple(t.shape) for n, t in {**dict(module.named_parameters()),
+                                                    **dict(module.named_buffers())}.items()}
+
+
+def real_shapes(tr_cfg: flux2.Flux2Config, te_cfg: qwen3.Qwen3Config, te_layers: int = 36):
+    with torch.device("meta"):
+        tr = shapes_of(flux2.Flux2Transformer(tr_cfg))
+        full = qwen3.Qwen3Encoder(dataclasses.replace(te_cfg, output_layers=(te_layers,)))
+        te = shapes_of(full, "model.")
+        te["model.norm.weight"] = (te_cfg.hidden_size,)
+        ae = shapes_of(vae.Flux2VAE(vae.VAEConfig()))
+    return tr, te, ae
+
+
+@pytest.mark.parametrize(("name", "tr_cfg", "te_cfg"), [("klein-4b", flux2.KLEIN_4B, qwen3.Qwen3Config()),
+                                                       ("klein-9b", flux2.KLEIN_9B, qwen3.QWEN3_8B)])
+def test_real_size_spec_from_headers_alone(tmp_path, name, tr_cfg, te_cfg):
+    tr, te, ae = real_shapes(tr_cfg, te_cfg)
+    models = tmp_path / "models"
+    header_only(models / "diffusion_models" / "a.safetensors", {"model.diffusion_model." + k: v for k, v in tr.items()})
+    header_only(models / "text_encoders" / "b.safetensors", te)
+    header_only(models / "vae" / "c.safetensors", ae, dtype="F32")
+    spec = loading.inspect(models)
+    assert spec.variant == name and spec.distilled
+    assert spec.transformer.config == tr_cfg and spec.text_encoder.config.hidden_size == te_cfg.hidden_size
+    assert spec.text_encoder.config.num_layers == 36 and spec.text_encoder.config.n_built == 27
+    assert spec.vae.dtype == "fp32" and spec.transformer.dtype == "bf16"
+    blocks = spec.transformer.block_bytes(torch.bfloat16)
+    assert len(blocks) == tr_cfg.depth_double + tr_cfg.depth_single + 1
+    assert sum(blocks.values()) == spec.transformer.nbytes(torch.bfloat16)
+    te_layers = [b for b in spec.text_encoder.block_bytes(torch.bfloat16) if b.startswith("layers.")]
+    assert te_layers == [f"layers.{i}" for i in range(27)]
+    if name == "klein-4b":
+        # the figures in shared/reference: 7.22 GiB transformer, 5.80 GiB encoder (layers 0..26), VAE 84.0 M params
+        assert spec.transformer.params == 3_875_544_576
+        assert spec.transformer.nbytes(torch.bfloat16) / GiB == pytest.approx(7.219, abs=1e-3)
+        assert spec.text_encoder.nbytes(torch.bfloat16) / GiB == pytest.approx(5.80, abs=5e-3)
+        assert spec.text_encoder.file_bytes / GiB == pytest.approx(7.49, abs=1e-2)
+        assert spec.vae.params == 84_046_115 + 2 * 128  # + the BatchNorm statistics
+        assert spec.vae.block_params[[b for b, _ in spec.vae.block_params].index("decoder")][1] == 49_620_259
+
+
+def test_mismatched_encoder_and_transformer(tmp_path):
+    tr, _, ae = real_shapes(flux2.KLEIN_4B, qwen3.Qwen3Config())
+    _, te9, _ = real_shapes(flux2.KLEIN_9B, qwen3.QWEN3_8B)
+    header_only(tmp_path / "t.safetensors", tr)
+    header_only(tmp_path / "q.safetensors", te9)
+    with pytest.raises(CheckpointError, match="klein-4B pairs with Qwen3-4B"):
+        loading.inspect([tmp_path / "t.safetensors", tmp_path / "q.safetensors"])

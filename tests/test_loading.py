@@ -75,7 +75,7 @@ def test_real_size_spec_from_headers_alone(tmp_path, name, tr_cfg, te_cfg):
 
 
 def test_mismatched_encoder_and_transformer(tmp_path):
-    tr, _, ae = real_shapes(flux2.KLEIN_4B, qwen3.Qwen3Config())
+    tr, _, _ = real_shapes(flux2.KLEIN_4B, qwen3.Qwen3Config())
     _, te9, _ = real_shapes(flux2.KLEIN_9B, qwen3.QWEN3_8B)
     header_only(tmp_path / "t.safetensors", tr)
     header_only(tmp_path / "q.safetensors", te9)

@@ -34,20 +34,45 @@ _DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 _ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
-def kind_of(keys: Iterable[str]) -> str | None:
-    """Which component a tensor table is, from its key names; None if none of ours."""
-    keys = set(keys)
+def _bare(keys: Iterable[str]) -> set[str]:
+    out = set()
     for k in keys:
-        bare = k
         for p in flux2.BFL_PREFIXES + _PREFIXES["vae"]:
-            bare = bare.removeprefix(p)
-        if bare in ("img_in.weight", "x_embedder.weight"):
-            return "transformer"
-        if bare in ("decoder.conv_in.weight", "encoder.conv_in.weight"):
-            return "vae"
-        if re.fullmatch(r"(model\.)?layers\.0\.self_attn\.q_norm\.weight", bare):
-            return "text_encoder"
+            k = k.removeprefix(p)
+        out.add(k)
+    return out
+
+
+def kind_of(keys: Iterable[str]) -> str | None:
+    """Which of our components a tensor table is, from its key names; None if none of them.
+
+    Strict enough to pick ours out of a full ComfyUI models/ folder: FLUX.1 transformers have no
+    shared modulation, FLUX.2 [dev] has a guidance embedding, FLUX.1/SD VAEs have no BatchNorm
+    statistics, Qwen2/2.5 have no q_norm.
+    """
+    k = _bare(keys)
+    guided = "guidance_in.in_layer.weight" in k or "time_guidance_embed.guidance_embedder.linear_1.weight" in k
+    if not guided and ({"img_in.weight", "double_stream_modulation_img.lin.weight"} <= k or
+                       {"x_embedder.weight", "double_stream_modulation_img.linear.weight"} <= k):
+        return "transformer"
+    if "bn.running_mean" in k and ("decoder.conv_in.weight" in k or "encoder.conv_in.weight" in k):
+        return "vae"
+    if "layers.0.self_attn.q_norm.weight" in k or "model.layers.0.self_attn.q_norm.weight" in k:
+        return "text_encoder"
     return None
+
+
+def _not_ours(keys: Iterable[str]) -> str:
+    """What a checkpoint that kind_of() refused looks like, for the error message."""
+    k = _bare(keys)
+    if "img_in.weight" in k or "x_embedder.weight" in k:
+        return "FLUX.2 [dev] (it has a guidance embedding)" if "double_stream_modulation_img.lin.weight" in k or \
+            "double_stream_modulation_img.linear.weight" in k else "a FLUX.1-style transformer"
+    if "decoder.conv_in.weight" in k or "encoder.conv_in.weight" in k:
+        return "a VAE without FLUX.2's latent statistics (FLUX.1 or SD)"
+    if any(x.endswith("self_attn.q_proj.weight") for x in k):
+        return "a language model without q_norm (not Qwen3)"
+    return "none of them"
 
 
 @dataclass(frozen=True)
@@ -200,8 +225,8 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
         if p.is_file():
             cands = _candidates([p])
             if not cands:
-                raise CheckpointError(f"{p}: not a FLUX.2 transformer, Qwen3 text encoder or FLUX.2 VAE "
-                                      "(recognised from the tensor names in its header)")
+                raise CheckpointError(f"{p}: not a FLUX.2 [klein] transformer, Qwen3 text encoder or FLUX.2 VAE; "
+                                      f"its tensors look like {_not_ours(read_header(p)[0])}")
             layout, folders = "file", [p.parent]
         elif (p / "model_index.json").is_file():
             index = json.loads((p / "model_index.json").read_text())
@@ -219,6 +244,10 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
     specs: dict[str, ComponentSpec | None] = {}
     for kind in COMPONENTS:
         cands = found[kind]
+        if kind == "text_encoder" and len(cands) > 1 and specs["transformer"] is not None:
+            # several Qwen3 sizes side by side (qwen_3_4b, qwen_3_8b): keep the one the transformer reads
+            width = specs["transformer"].config.context_dim
+            cands = [c for c in cands if qwen3.config_from_checkpoint(read_headers(c[1])).out_dim == width] or cands
         if len(cands) > 1:
             names = ", ".join(str(fs[0]) for _, fs in cands)
             raise CheckpointError(f"several {kind.replace('_', ' ')} checkpoints found ({names}); "

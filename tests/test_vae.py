@@ -13,14 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from diffusers import AutoencoderKLFlux2
+from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from helpers import perturb_, rel_l2, save
 from refmodels import vae_to_bfl as bfl_from_diffusers
 from vramgraph.models.common import CheckpointError, read_headers
 from vramgraph.models.vae import Flux2VAE, VAEConfig, config_from_checkpoint, group_norm, load_vae, sources
-
-diffusers = pytest.importorskip("diffusers")
-from diffusers import AutoencoderKLFlux2  # noqa: E402
-from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline  # noqa: E402
 
 TINY = dataclasses.replace(VAEConfig(), channels=(32, 32, 64, 64), layers_per_block=1)
 TOL = 1e-4

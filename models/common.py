@@ -13,6 +13,7 @@ Each family states how its own parameter names are made from a checkpoint's name
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -44,10 +45,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPE_BYTES.get(self.dtype, 2)
-        for s in self.shape:
-            n *= s
-        return n
+        return DTYPE_BYTES.get(self.dtype, 2) * math.prod(self.shape)
 
 
 def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:

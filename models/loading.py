@@ -14,6 +14,7 @@ component from its spec.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -141,13 +142,8 @@ def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
     check_plain(src, infos)
     blocks: dict[str, int] = {}
     for name, s in src.items():
-        n = 0
-        for k in s.keys:
-            n1 = 1
-            for d in infos[k].shape:
-                n1 *= d
-            n += n1
-        blocks[_block_of(name)] = blocks.get(_block_of(name), 0) + n
+        block = _block_of(name)
+        blocks[block] = blocks.get(block, 0) + sum(math.prod(infos[k].shape) for k in s.keys)
     by_dtype: dict[str, int] = {}
     for info in infos.values():
         by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes

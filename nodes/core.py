@@ -1,0 +1,473 @@
+"""ComfyUI's core node types for FLUX.2 [klein], run by our engine on our models.
+
+Same class names, input names, order, defaults and ranges as ComfyUI, so an unchanged ComfyUI
+workflow (API or UI format) validates and runs here. These are registered only in our engine, never
+inside ComfyUI (where ComfyUI's own classes are the real ones). Each class has `vg_estimate`: its
+outputs and cost ahead of time, from input infos.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ..models.sampling import sigmas as flux2_sigmas
+from . import estimates, ops
+from .files import file_list
+from .types import (
+    BOOLEAN,
+    CLIP,
+    CONDITIONING,
+    FLOAT,
+    GUIDER,
+    IMAGE,
+    INT,
+    LATENT,
+    MASK,
+    MODEL,
+    NOISE,
+    SAMPLER,
+    SIGMAS,
+    STRING,
+    VAE,
+    CondInfo,
+    Cost,
+    GuiderInfo,
+    ImageInfo,
+    LatentInfo,
+    ModelInfo,
+    NoiseInfo,
+    SigmasInfo,
+)
+from .values import Guider, ModelHandle, Noise, Sampler, cond_parts, conditioning, with_reference
+
+MAX_RESOLUTION = 16384
+SEED_MAX = 0xFFFF_FFFF_FFFF_FFFF
+TEXT_TOKENS = 512
+SAMPLERS = ["euler"]
+SCHEDULERS = ["simple"]
+UPSCALE_METHODS = ["nearest-exact", "bilinear", "area", "bicubic", "lanczos"]
+HIDDEN = {"vg": "VG_CONTEXT"}
+
+
+def _size(**kw: Any) -> tuple[str, dict]:
+    return (INT, {"default": 1024, "min": 16, "max": MAX_RESOLUTION, "step": 16, **kw})
+
+
+class UNETLoader:
+    CATEGORY = "advanced/loaders"
+    RETURN_TYPES = (MODEL,)
+    FUNCTION = "load_unet"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"unet_name": (file_list(folders, "diffusion_models"),),
+                             "weight_dtype": (["default"],)}, "hidden": HIDDEN}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, unet_name: str, weight_dtype: str = "default") -> Cost:
+        return Cost((env.model_info("transformer", unet_name),))
+
+    def load_unet(self, unet_name: str, weight_dtype: str = "default", vg: Any = None) -> tuple:
+        return (ModelHandle(vg.model_info("transformer", unet_name)),)
+
+
+class CLIPLoader:
+    CATEGORY = "advanced/loaders"
+    RETURN_TYPES = (CLIP,)
+    FUNCTION = "load_clip"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"clip_name": (file_list(folders, "text_encoders"),), "type": (["flux2"],)},
+                "optional": {"device": (["default"], {"advanced": True})}, "hidden": HIDDEN}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, clip_name: str, type: str = "flux2", device: str = "default") -> Cost:
+        return Cost((env.model_info("text_encoder", clip_name),))
+
+    def load_clip(self, clip_name: str, type: str = "flux2", device: str = "default", vg: Any = None) -> tuple:
+        info = vg.model_info("text_encoder", clip_name)
+        return (ModelHandle(info, vg.tokenizer_for(info)),)
+
+
+class VAELoader:
+    CATEGORY = "loaders"
+    RETURN_TYPES = (VAE,)
+    FUNCTION = "load_vae"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"vae_name": (file_list(folders, "vae"),)}, "hidden": HIDDEN}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, vae_name: str) -> Cost:
+        return Cost((env.model_info("vae", vae_name),))
+
+    def load_vae(self, vae_name: str, vg: Any = None) -> tuple:
+        return (ModelHandle(vg.model_info("vae", vae_name)),)
+
+
+class CLIPTextEncode:
+    CATEGORY = "conditioning"
+    RETURN_TYPES = (CONDITIONING,)
+    FUNCTION = "encode"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"text": (STRING, {"multiline": True, "dynamicPrompts": True}), "clip": (CLIP,)},
+                "hidden": HIDDEN}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, text: Any, clip: ModelInfo) -> Cost:
+        return Cost((CondInfo(1, TEXT_TOKENS),), (estimates.text_encode(clip, 1, TEXT_TOKENS),),
+                    host_bytes=TEXT_TOKENS * _context_dim(clip) * 4)
+
+    def encode(self, text: str, clip: ModelHandle, vg: Any = None) -> tuple:
+        emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text])
+        return (conditioning(emb),)
+
+
+def _context_dim(clip: ModelInfo) -> int:
+    cfg = clip.config
+    return cfg.out_dim if cfg is not None else 7680
+
+
+class ConditioningZeroOut:
+    CATEGORY = "advanced/conditioning"
+    RETURN_TYPES = (CONDITIONING,)
+    FUNCTION = "zero_out"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"conditioning": (CONDITIONING,)}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, conditioning: CondInfo) -> Cost:
+        return Cost((conditioning,))
+
+    def zero_out(self, conditioning: list) -> tuple:
+        return ([[torch.zeros_like(emb), dict(extra)] for emb, extra in conditioning],)
+
+
+class ReferenceLatent:
+    CATEGORY = "advanced/conditioning/edit_models"
+    RETURN_TYPES = (CONDITIONING,)
+    FUNCTION = "append"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"conditioning": (CONDITIONING,)}, "optional": {"latent": (LATENT,)}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, conditioning: CondInfo, latent: LatentInfo | None = None) -> Cost:
+        if latent is None:
+            return Cost((conditioning,))
+        refs = conditioning.refs + ((latent.height, latent.width),) * latent.batch
+        return Cost((CondInfo(conditioning.batch, conditioning.tokens, refs),))
+
+    def append(self, conditioning: list, latent: dict | None = None) -> tuple:
+        if latent is None:
+            return (conditioning,)
+        for i in range(latent["samples"].shape[0]):
+            conditioning = with_reference(conditioning, latent["samples"][i:i + 1])
+        return (conditioning,)
+
+
+class CFGGuider:
+    CATEGORY = "sampling/custom_sampling/guiders"
+    RETURN_TYPES = (GUIDER,)
+    FUNCTION = "get_guider"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"model": (MODEL,), "positive": (CONDITIONING,), "negative": (CONDITIONING,),
+                             "cfg": (FLOAT, {"default": 8.0, "min": 0.0, "max": 100.0, "step": 0.1,
+                                             "round": 0.01})}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, model: ModelInfo, positive: CondInfo, negative: CondInfo, cfg: float) -> Cost:
+        return Cost((GuiderInfo(model, positive, negative, cfg),))
+
+    def get_guider(self, model: ModelHandle, positive: list, negative: list, cfg: float) -> tuple:
+        return (Guider(model, positive, negative, cfg),)
+
+
+class KSamplerSelect:
+    CATEGORY = "sampling/custom_sampling/samplers"
+    RETURN_TYPES = (SAMPLER,)
+    FUNCTION = "get_sampler"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"sampler_name": (SAMPLERS,)}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, sampler_name: str) -> Cost:
+        return Cost((sampler_name,))
+
+    def get_sampler(self, sampler_name: str) -> tuple:
+        return (Sampler(sampler_name),)
+
+
+class Flux2Scheduler:
+    CATEGORY = "sampling/custom_sampling/schedulers"
+    RETURN_TYPES = (SIGMAS,)
+    FUNCTION = "get_sigmas"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"steps": (INT, {"default": 20, "min": 1, "max": 4096}),
+                             "width": (INT, {"default": 1024, "min": 16, "max": MAX_RESOLUTION, "step": 1}),
+                             "height": (INT, {"default": 1024, "min": 16, "max": MAX_RESOLUTION, "step": 1})}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, steps: int, width: int, height: int) -> Cost:
+        return Cost((SigmasInfo(steps),))
+
+    def get_sigmas(self, steps: int, width: int, height: int) -> tuple:
+        seq_len = round(width * height / (16 * 16))
+        return (torch.tensor(flux2_sigmas(steps, seq_len), dtype=torch.float32),)
+
+
+class RandomNoise:
+    CATEGORY = "sampling/custom_sampling/noise"
+    RETURN_TYPES = (NOISE,)
+    FUNCTION = "get_noise"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"noise_seed": (INT, {"default": 0, "min": 0, "max": SEED_MAX,
+                                                  "control_after_generate": True})}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, noise_seed: int) -> Cost:
+        return Cost((NoiseInfo(noise_seed),))
+
+    def get_noise(self, noise_seed: int) -> tuple:
+        return (Noise(noise_seed),)
+
+
+class EmptyFlux2LatentImage:
+    CATEGORY = "latent"
+    RETURN_TYPES = (LATENT,)
+    FUNCTION = "generate"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"width": _size(), "height": _size(),
+                             "batch_size": (INT, {"default": 1, "min": 1, "max": 4096})}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, width: int, height: int, batch_size: int = 1) -> Cost:
+        return Cost((LatentInfo(batch_size, height // 16, width // 16),))
+
+    def generate(self, width: int, height: int, batch_size: int = 1) -> tuple:
+        return ({"samples": torch.zeros(batch_size, 128, height // 16, width // 16)},)
+
+
+def _sampling_cost(model: ModelInfo, positive: CondInfo, negative: CondInfo | None, cfg: float,
+                   latent: LatentInfo, steps: int, outputs: tuple) -> Cost:
+    cfg_batch = 2 if negative is not None and cfg != 1.0 else 1
+    opt = estimates.sampling(model, latent, positive, cfg_batch, steps)
+    nbytes = latent.batch * latent.channels * latent.height * latent.width * 4
+    return Cost(outputs, (opt,), host_bytes=nbytes * len(outputs))
+
+
+def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: list, negative: list | None,
+            cfg: float, sigmas: list[float]) -> dict:
+    pos, refs = cond_parts(positive, "positive")
+    neg = None
+    if negative is not None and cfg != 1.0:
+        neg, neg_refs = cond_parts(negative, "negative")
+        if len(neg_refs) != len(refs) or any(a.shape != b.shape or not torch.equal(a, b)
+                                             for a, b in zip(neg_refs, refs, strict=False)):
+            raise ValueError("the negative conditioning must carry the same reference latents as the positive "
+                             "(apply the same ReferenceLatent nodes to both) when cfg != 1")
+    out = ops.run_sampler(vg.module(model), noise.generate_noise(latent), latent["samples"], pos, neg, cfg,
+                          sigmas, refs, progress=vg.progress)
+    return {"samples": out}
+
+
+class SamplerCustomAdvanced:
+    CATEGORY = "sampling/custom_sampling"
+    RETURN_TYPES = (LATENT, LATENT)
+    RETURN_NAMES = ("output", "denoised_output")
+    FUNCTION = "sample"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"noise": (NOISE,), "guider": (GUIDER,), "sampler": (SAMPLER,), "sigmas": (SIGMAS,),
+                             "latent_image": (LATENT,)}, "hidden": HIDDEN}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, noise: NoiseInfo, guider: GuiderInfo, sampler: str, sigmas: SigmasInfo,
+                    latent_image: LatentInfo) -> Cost:
+        return _sampling_cost(guider.model, guider.positive, guider.negative, guider.cfg, latent_image,
+                              sigmas.steps, (latent_image, latent_image))
+
+    def sample(self, noise: Noise, guider: Guider, sampler: Sampler, sigmas: torch.Tensor, latent_image: dict,
+               vg: Any = None) -> tuple:
+        out = _sample(vg, guider.model, noise, latent_image, guider.positive, guider.negative, guider.cfg,
+                      sigmas.tolist())
+        # Euler's last step lands on sigma 0, where the output is the denoised prediction itself.
+        return (out, out)
+
+
+class KSampler:
+    """ComfyUI's KSampler with euler; its 'simple' schedule is FLUX.2's empirical one for the latent size."""
+
+    CATEGORY = "sampling"
+    RETURN_TYPES = (LATENT,)
+    FUNCTION = "sample"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {
+            "model": (MODEL,),
+            "seed": (INT, {"default": 0, "min": 0, "max": SEED_MAX, "control_after_generate": True}),
+            "steps": (INT, {"default": 20, "min": 1, "max": 10000}),
+            "cfg": (FLOAT, {"default": 8.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}),
+            "sampler_name": (SAMPLERS,), "scheduler": (SCHEDULERS,),
+            "positive": (CONDITIONING,), "negative": (CONDITIONING,), "latent_image": (LATENT,),
+            "denoise": (FLOAT, {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01})}, "hidden": HIDDEN}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, model: ModelInfo, seed: int, steps: int, cfg: float, sampler_name: str,
+                    scheduler: str, positive: CondInfo, negative: CondInfo, latent_image: LatentInfo,
+                    denoise: float = 1.0) -> Cost:
+        return _sampling_cost(model, positive, negative, cfg, latent_image, steps, (latent_image,))
+
+    def sample(self, model: ModelHandle, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
+               positive: list, negative: list, latent_image: dict, denoise: float = 1.0, vg: Any = None) -> tuple:
+        h, w = latent_image["samples"].shape[2:]
+        if denoise <= 0:
+            return (latent_image,)
+        total = steps if denoise >= 1.0 else int(steps / denoise)
+        sig = flux2_sigmas(total, h * w)[-(steps + 1):]
+        return (_sample(vg, model, Noise(seed), latent_image, positive, negative, cfg, sig),)
+
+
+class VAEDecode:
+    CATEGORY = "latent"
+    RETURN_TYPES = (IMAGE,)
+    FUNCTION = "decode"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"samples": (LATENT,), "vae": (VAE,)}, "hidden": HIDDEN}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, samples: LatentInfo, vae: ModelInfo) -> Cost:
+        image = ImageInfo(samples.batch, samples.height * 16, samples.width * 16)
+        return Cost((image,), estimates.vae_decode(vae, samples), host_bytes=image_bytes(image))
+
+    def decode(self, samples: dict, vae: ModelHandle, vg: Any = None) -> tuple:
+        return (ops.vae_decode(vg.module(vae), samples["samples"], vg.variant),)
+
+
+def image_bytes(image: ImageInfo) -> int:
+    return image.batch * image.height * image.width * 3 * 4
+
+
+class VAEEncode:
+    CATEGORY = "latent"
+    RETURN_TYPES = (LATENT,)
+    FUNCTION = "encode"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"pixels": (IMAGE,), "vae": (VAE,)}, "hidden": HIDDEN}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, pixels: ImageInfo, vae: ModelInfo) -> Cost:
+        h, w = pixels.height // 16, pixels.width // 16
+        return Cost((LatentInfo(pixels.batch, h, w),), (estimates.vae_encode(vae, pixels.batch, h * 16, w * 16),))
+
+    def encode(self, pixels: torch.Tensor, vae: ModelHandle, vg: Any = None) -> tuple:
+        return ({"samples": ops.vae_encode(vg.module(vae), pixels)},)
+
+
+class LoadImage:
+    CATEGORY = "image"
+    RETURN_TYPES = (IMAGE, MASK)
+    FUNCTION = "load_image"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"image": (file_list(folders, "input"), {"image_upload": True})}, "hidden": HIDDEN}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, image: str) -> Cost:
+        w, h = env.image_size(image)
+        info = ImageInfo(1, h, w)
+        return Cost((info, info), host_bytes=image_bytes(info))
+
+    def load_image(self, image: str, vg: Any = None) -> tuple:
+        return ops.load_image(str(vg.resolve("input", image)))
+
+
+class ImageScaleToTotalPixels:
+    CATEGORY = "image/upscaling"
+    RETURN_TYPES = (IMAGE,)
+    FUNCTION = "upscale"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"image": (IMAGE,), "upscale_method": (UPSCALE_METHODS,),
+                             "megapixels": (FLOAT, {"default": 1.0, "min": 0.01, "max": 16.0, "step": 0.01}),
+                             "resolution_steps": (INT, {"default": 1, "min": 1, "max": 256})}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, image: ImageInfo, upscale_method: str, megapixels: float,
+                    resolution_steps: int = 1) -> Cost:
+        w, h = ops.scaled_size(image.width, image.height, megapixels, resolution_steps)
+        info = ImageInfo(image.batch, h, w)
+        return Cost((info,), host_bytes=image_bytes(info))
+
+    def upscale(self, image: torch.Tensor, upscale_method: str, megapixels: float, resolution_steps: int = 1) -> tuple:
+        w, h = ops.scaled_size(image.shape[2], image.shape[1], megapixels, resolution_steps)
+        return (ops.resize(image, w, h, upscale_method),)
+
+
+class GetImageSize:
+    CATEGORY = "image"
+    RETURN_TYPES = (INT, INT, INT)
+    RETURN_NAMES = ("width", "height", "batch_size")
+    FUNCTION = "get_size"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"image": (IMAGE,)}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, image: ImageInfo) -> Cost:
+        return Cost((image.width, image.height, image.batch))
+
+    def get_size(self, image: torch.Tensor) -> tuple:
+        return (int(image.shape[2]), int(image.shape[1]), int(image.shape[0]))
+
+
+def _primitive(name: str, io: str, options: dict) -> type:
+    def run(self: Any, value: Any) -> tuple:
+        return (value,)
+
+    def inputs(cls: type, folders: Any = None) -> dict:
+        return {"required": {"value": (io, dict(options))}}
+
+    def estimate(cls: type, env: Any, value: Any) -> Cost:
+        return Cost((value,))
+
+    return type(name, (), {"CATEGORY": "utils/primitive", "RETURN_TYPES": (io,), "FUNCTION": "run", "run": run,
+                           "INPUT_TYPES": classmethod(inputs), "vg_estimate": classmethod(estimate),
+                           "__doc__": f"ComfyUI's {name}: outputs its value."})
+
+
+PrimitiveInt = _primitive("PrimitiveInt", INT, {"min": -sys.maxsize, "max": sys.maxsize,
+                                                "control_after_generate": True})
+PrimitiveFloat = _primitive("PrimitiveFloat", FLOAT, {"min": -sys.maxsize, "max": sys.maxsize})
+PrimitiveBoolean = _primitive("PrimitiveBoolean", BOOLEAN, {})
+PrimitiveString = _primitive("PrimitiveString", STRING, {})
+PrimitiveStringMultiline = _primitive("PrimitiveStringMultiline", STRING, {"multiline": True})

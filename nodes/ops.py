@@ -1,0 +1,167 @@
+"""The torch work behind the nodes, shared by ComfyUI's core node types and our VG nodes.
+
+Every function takes loaded modules (wherever the plan put them) and CPU tensors, computes on the
+module's device, and returns CPU tensors, so nothing a node produces holds GPU memory after it ran.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from ..models.qwen3 import PromptTokenizer, Qwen3Encoder, encode_prompts
+from ..models.sampling import pack_references, sample
+from ..models.vae import Flux2VAE
+from .estimates import TILE, TILE_OVERLAP
+
+Progress = Callable[[int, int], None]
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+@torch.no_grad()
+def encode_text(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[str]) -> torch.Tensor:
+    return encode_prompts(encoder, tokenizer, texts).cpu()
+
+
+@torch.no_grad()
+def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tensor, positive: torch.Tensor,
+                negative: torch.Tensor | None, cfg: float, sigmas: list[float], references: list[torch.Tensor],
+                progress: Progress | None = None) -> torch.Tensor:
+    """Euler sampling as ComfyUI's SamplerCustomAdvanced does it; returns the final latent on the CPU.
+
+    The start is sigma0 * noise + (1 - sigma0) * latent (ComfyUI's flow-model noise scaling), exactly
+    the noise for an empty latent and sigma0 = 1. cfg 1.0 skips the negative.
+    """
+    if len(sigmas) < 2:
+        return latent.float().clone()
+    s0 = float(sigmas[0])
+    start = noise * s0 + latent.float() * (1.0 - s0) if s0 != 1.0 or latent.any() else noise
+    batch = start.shape[0]
+    pos = _batched(positive, batch, "positive")
+    neg = _batched(negative, batch, "negative") if negative is not None and cfg != 1.0 else None
+    refs = pack_references([r[:1] for r in references]) if references else None
+    out = sample(model, start, pos, list(sigmas), negative=neg, guidance=cfg, references=refs, progress=progress)
+    return out.cpu()
+
+
+def _batched(emb: torch.Tensor, batch: int, what: str) -> torch.Tensor:
+    if emb.shape[0] == batch:
+        return emb
+    if emb.shape[0] == 1:
+        return emb.expand(batch, -1, -1)
+    raise ValueError(f"the {what} conditioning has {emb.shape[0]} prompts but the latent has {batch} images; "
+                     "use one prompt or as many prompts as images")
+
+
+@torch.no_grad()
+def vae_decode(vae: Flux2VAE, samples: torch.Tensor, variant: str = "gpu") -> torch.Tensor:
+    """Latent (B, 128, h, w) -> IMAGE (B, 16h, 16w, 3) in 0..1 on the CPU.
+
+    "gpu" and "cpu" decode in one piece wherever the VAE is; "tiled" decodes overlapping tiles and
+    blends them, for when the whole decode does not fit.
+    """
+    if variant == "tiled":
+        pixels = _decode_tiled(vae, samples)
+    else:
+        pixels = vae.decode(samples.to(_device(vae))).float()
+    return ((pixels.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1).cpu()
+
+
+def _ramp(n: int, overlap: int, start: bool, end: bool) -> torch.Tensor:
+    w = torch.ones(n)
+    if overlap > 0:
+        r = (torch.arange(overlap, dtype=torch.float32) + 0.5) / overlap
+        if not start:
+            w[:overlap] = r
+        if not end:
+            w[-overlap:] = r.flip(0)
+    return w
+
+
+def _decode_tiled(vae: Flux2VAE, samples: torch.Tensor) -> torch.Tensor:
+    dev = _device(vae)
+    b, _, h, w = samples.shape
+    out = torch.zeros(b, 3, h * 16, w * 16, device=dev)
+    weight = torch.zeros(1, 1, h * 16, w * 16, device=dev)
+    step = TILE
+    for y0 in range(0, h, step):
+        for x0 in range(0, w, step):
+            ya, yb = max(0, y0 - TILE_OVERLAP), min(h, y0 + step + TILE_OVERLAP)
+            xa, xb = max(0, x0 - TILE_OVERLAP), min(w, x0 + step + TILE_OVERLAP)
+            tile = vae.decode(samples[:, :, ya:yb, xa:xb].to(dev)).float()
+            wy = _ramp((yb - ya) * 16, TILE_OVERLAP * 16, ya == 0, yb == h).to(dev)
+            wx = _ramp((xb - xa) * 16, TILE_OVERLAP * 16, xa == 0, xb == w).to(dev)
+            m = (wy[:, None] * wx[None, :])[None, None]
+            out[:, :, ya * 16:yb * 16, xa * 16:xb * 16] += tile * m
+            weight[:, :, ya * 16:yb * 16, xa * 16:xb * 16] += m
+            del tile
+    return out / weight
+
+
+@torch.no_grad()
+def vae_encode(vae: Flux2VAE, image: torch.Tensor) -> torch.Tensor:
+    """IMAGE (B, H, W, 3) in 0..1 -> latent (B, 128, H/16, W/16), cropped centrally to multiples of 16 first."""
+    image = crop16(image)
+    pixels = image[..., :3].permute(0, 3, 1, 2) * 2 - 1
+    return vae.encode(pixels.to(_device(vae))).float().cpu()
+
+
+def crop16(image: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's VAE-encode crop: the central part whose sides are multiples of 16."""
+    h, w = image.shape[1] // 16 * 16, image.shape[2] // 16 * 16
+    if h == 0 or w == 0:
+        raise ValueError(f"the image is {image.shape[2]}x{image.shape[1]}; it must be at least 16x16 to encode")
+    oy, ox = (image.shape[1] % 16) // 2, (image.shape[2] % 16) // 2
+    return image[:, oy:oy + h, ox:ox + w]
+
+
+def scaled_size(width: int, height: int, megapixels: float, steps: int = 1) -> tuple[int, int]:
+    """ImageScaleToTotalPixels' target size: the same aspect at `megapixels` * 1024², sides rounded to `steps`."""
+    scale = math.sqrt(megapixels * 1024 * 1024 / (width * height))
+    steps = max(1, steps)
+    return (max(steps, round(width * scale / steps) * steps), max(steps, round(height * scale / steps) * steps))
+
+
+def resize(image: torch.Tensor, width: int, height: int, method: str) -> torch.Tensor:
+    """IMAGE (B, H, W, C) -> (B, height, width, C) with ComfyUI's upscale methods."""
+    if (image.shape[2], image.shape[1]) == (width, height):
+        return image
+    if method == "lanczos":
+        out = []
+        for im in image:
+            arr = (im.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+            pil = Image.fromarray(arr).resize((width, height), Image.Resampling.LANCZOS)
+            out.append(torch.from_numpy(np.asarray(pil).astype(np.float32) / 255.0))
+        return torch.stack(out)
+    x = image.permute(0, 3, 1, 2)
+    kw = {"align_corners": False} if method in ("bilinear", "bicubic") else {}
+    x = F.interpolate(x, size=(height, width), mode=method, **kw)
+    return x.permute(0, 2, 3, 1).clamp(0, 1) if method == "bicubic" else x.permute(0, 2, 3, 1)
+
+
+def load_image(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's LoadImage: (IMAGE (1, H, W, 3), MASK (1, H, W)); the mask is 1 - alpha, else zeros."""
+    from PIL import ImageOps
+
+    with Image.open(path) as im:
+        im = ImageOps.exif_transpose(im)
+        rgb = np.asarray(im.convert("RGB")).astype(np.float32) / 255.0
+        if "A" in im.getbands():
+            mask = 1.0 - np.asarray(im.getchannel("A")).astype(np.float32) / 255.0
+        else:
+            mask = np.zeros((64, 64), dtype=np.float32)
+    return torch.from_numpy(rgb)[None], torch.from_numpy(mask)[None]
+
+
+def to_pil(image: torch.Tensor) -> list[Image.Image]:
+    """IMAGE -> PIL images the way ComfyUI's SaveImage converts (x 255, clip, truncate)."""
+    arr = np.clip(255.0 * image.cpu().float().numpy(), 0, 255).astype(np.uint8)
+    return [Image.fromarray(a) for a in arr]

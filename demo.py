@@ -26,15 +26,27 @@ TINY_TRANSFORMER = dataclasses.replace(KLEIN_4B, hidden=256, heads=2, depth_doub
 TINY_VAE = dataclasses.replace(VAEConfig(), channels=(32, 32, 64, 64), layers_per_block=1)
 
 
-def write_tiny_models(models: Path, seed: int = 0) -> Path:
-    """A ComfyUI-style models/ folder holding tiny random-weight checkpoints; returns it."""
+TINY_NAMES = {"transformer": "flux-2-klein-tiny.safetensors", "text_encoder": "qwen3-tiny.safetensors",
+              "vae": "flux2-vae-tiny.safetensors"}
+
+
+def write_tiny_models(models: Path, seed: int = 0, names: dict[str, str | list[str]] | None = None) -> Path:
+    """A ComfyUI-style models/ folder holding tiny random-weight checkpoints; returns it.
+
+    `names` gives the file name(s) per component ("transformer", "text_encoder", "vae"), so that a
+    workflow's file names can be served by tiny models.
+    """
     torch.manual_seed(seed)
-    parts = {
-        "diffusion_models/flux-2-klein-tiny.safetensors": Flux2Transformer(TINY_TRANSFORMER).state_dict(),
-        "text_encoders/qwen3-tiny.safetensors": {"model." + k: v for k, v in
-                                                 Qwen3Encoder(TINY_QWEN3).state_dict().items()},
-        "vae/flux2-vae-tiny.safetensors": Flux2VAE(TINY_VAE).state_dict(),
+    names = {**TINY_NAMES, **(names or {})}
+    weights = {
+        "transformer": ("diffusion_models", Flux2Transformer(TINY_TRANSFORMER).state_dict()),
+        "text_encoder": ("text_encoders", {"model." + k: v for k, v in Qwen3Encoder(TINY_QWEN3).state_dict().items()}),
+        "vae": ("vae", Flux2VAE(TINY_VAE).state_dict()),
     }
+    parts = {}
+    for kind, (folder, sd) in weights.items():
+        for name in [names[kind]] if isinstance(names[kind], str) else names[kind]:
+            parts[f"{folder}/{name}"] = sd
     for rel, sd in parts.items():
         path = models / rel
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,84 @@
+"""The GPU and host memory budget a plan must stay within.
+
+By default: what the device has free (plus what this process already holds) minus a reserve. With
+`vram`, the budget emulates a card of that size: the CUDA context and anything else this process
+holds outside torch's allocator come out of it, and the allocator is capped with
+`torch.cuda.set_per_process_memory_fraction` so that nothing can exceed it unnoticed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from . import planner
+
+GiB = 2**30
+DEFAULT_RESERVE = 384 * 2**20  # allocator rounding, cuBLAS/cuDNN workspaces, the RoPE tables
+HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
+UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+         "g": GiB, "gb": 10**9, "gib": GiB, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str | int | float) -> int:
+    """'12GiB', '12G', '11.5 GB', '800MiB' or a number of bytes -> bytes (G and GiB are both 2**30)."""
+    if isinstance(text, int | float):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS:
+        raise ValueError(f"'{text}' is not a size; write e.g. 12GiB, 11.5GB or 800MiB")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Budget:
+    gpu: int  # bytes the plan may use for weights and activations
+    host: int  # bytes of host RAM for pinned weights and node outputs
+    card: int | None = None  # the emulated card size (--vram), if any
+    reserve: int = DEFAULT_RESERVE
+    outside_allocator: int = 0  # CUDA context etc., measured when the budget was made
+
+    def planner(self) -> planner.Budget:
+        return planner.Budget(self.gpu, self.host)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in vars(self).items()}
+
+
+def host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * GiB
+
+
+def budget_for(device: torch.device | str, vram: str | int | None = None, reserve: str | int | None = None,
+               host: str | int | None = None) -> Budget:
+    device = torch.device(device)
+    res = DEFAULT_RESERVE if reserve is None else parse_size(reserve)
+    host_bytes = parse_size(host) if host is not None else max(GiB, host_available() - HOST_MARGIN)
+    if device.type != "cuda":
+        # on the CPU "the GPU" is host memory: weights and activations share it
+        cap = parse_size(vram) if vram is not None else host_bytes
+        return Budget(cap - res, host_bytes, parse_size(vram) if vram is not None else None, res)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info(index)
+    ours = torch.cuda.memory_reserved(index)
+    outside = max(0, total - free - ours)  # this process's context (assumes the device is not shared)
+    if vram is None:
+        return Budget(free + ours - res, host_bytes, None, res, outside)
+    card = parse_size(vram)
+    if card > total:
+        raise ValueError(f"--vram {vram} is more than the device has ({total / GiB:.1f} GiB)")
+    cap = card - outside
+    if cap <= res:
+        raise ValueError(f"--vram {vram} leaves nothing: the CUDA context alone takes {outside / GiB:.2f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap / total, index)
+    return Budget(cap - res, host_bytes, card, res, outside)

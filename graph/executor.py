@@ -1,0 +1,323 @@
+"""The executor: carries out a Plan, measures every step, caches node outputs across runs.
+
+It makes no decisions. `Engine.prepare` validates a prompt, estimates every node from shapes,
+drops the nodes whose outputs are cached (same input signature as before) and asks the planner
+for a Plan; `Engine.run` then executes the plan step by step: Load/Unload through the residency
+ledger, Run by calling the node. Each Run's real GPU peak is measured and reported against the
+prediction. A failing node (an allocation failure included) stops the run with an error that names
+it; no later node runs, so no PNG is written from partial work, and the next run starts clean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import torch
+
+from ..models.qwen3 import PromptTokenizer
+from ..nodes import ENGINE_NODES
+from ..nodes.files import Folders
+from ..nodes.types import ModelInfo
+from ..nodes.values import ModelHandle
+from . import estimate, planner
+from .budget import Budget, budget_for
+from .errors import InterruptedRun, NodeExecutionError, ValidationFailed
+from .ledger import Ledger
+from .validate import inputs_with_defaults, validate
+
+log = logging.getLogger("vramgraph.executor")
+Events = Callable[[str, dict], None]
+HIDDEN_VALUES = ("PROMPT", "EXTRA_PNGINFO", "UNIQUE_ID", "VG_CONTEXT")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated prompt with its estimates and plan, ready to run."""
+
+    prompt: dict
+    dag: nx.DiGraph
+    outputs: tuple[str, ...]
+    costs: Mapping[str, Any]
+    signatures: Mapping[str, str]
+    cached: tuple[str, ...]
+    plan: planner.Plan
+
+
+@dataclass
+class NodeReport:
+    node: str
+    class_type: str
+    variant: str
+    seconds: float
+    predicted_bytes: int = 0
+    measured_bytes: int = 0
+
+
+@dataclass
+class RunResult:
+    prompt_id: str
+    plan: planner.Plan
+    ui: dict[str, dict] = field(default_factory=dict)  # output node id -> ComfyUI "ui" dict
+    images: list[Path] = field(default_factory=list)
+    nodes: list[NodeReport] = field(default_factory=list)
+    cached: tuple[str, ...] = ()
+    loads: int = 0
+    unloads: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"prompt_id": self.prompt_id, "seconds": round(self.seconds, 4), "loads": self.loads,
+                "unloads": self.unloads, "cached": list(self.cached), "images": [str(p) for p in self.images],
+                "nodes": [vars(n) for n in self.nodes], "plan": self.plan.to_json()}
+
+
+def _link(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int)
+
+
+def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph) -> dict[str, str]:
+    """Per node a hash of its class and inputs, linked inputs by their source's signature (ComfyUI's cache key)."""
+    sig: dict[str, str] = {}
+    for node in nx.topological_sort(dag):
+        spec = prompt[node]
+        inputs = {k: ["link", sig.get(v[0], v[0]), v[1]] if _link(v) else v for k, v in spec["inputs"].items()}
+        text = json.dumps([spec["class_type"], inputs], sort_keys=True, default=str)
+        sig[node] = hashlib.sha256(text.encode()).hexdigest()[:24]
+    return sig
+
+
+class NodeContext:
+    """What a running node may ask of the engine (the `vg` hidden input)."""
+
+    def __init__(self, engine: Engine, node: str, class_type: str, variant: str, seed: int | None,
+                 events: Events) -> None:
+        self.engine, self.node, self.class_type, self.variant = engine, node, class_type, variant
+        self.seed, self._events = seed, events
+
+    def module(self, handle: ModelHandle) -> torch.nn.Module:
+        return self.engine.ledger.module(handle.key)
+
+    def tokenizer(self, handle: ModelHandle) -> PromptTokenizer:
+        return self.engine.tokenizer(handle.tokenizer)
+
+    def model_info(self, kind: str, name: str, dtype: str = "default") -> ModelInfo:
+        return self.engine.catalog.model_info(kind, name, dtype)
+
+    def checkpoint_infos(self, path: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
+        return self.engine.catalog.checkpoint_infos(path)
+
+    def tokenizer_for(self, info: ModelInfo) -> Path | None:
+        return self.engine.catalog.tokenizer_for(info)
+
+    def resolve(self, folder: str, name: str) -> Path:
+        return self.engine.folders.resolve(folder, name)
+
+    def progress(self, value: int, total: int) -> None:
+        self.check_interrupted()
+        self._events("progress", {"node": self.node, "value": value, "max": total})
+
+    def check_interrupted(self) -> None:
+        self.engine.check_interrupted(self.node, self.class_type)
+
+    @property
+    def output_dir(self) -> Path:
+        return self.engine.folders.output
+
+    @property
+    def temp_dir(self) -> Path:
+        return self.engine.folders.temp
+
+
+def _quiet(kind: str, data: dict) -> None:
+    pass
+
+
+class Engine:
+    """One process's engine: the model catalog, the residency ledger, the output cache and the budget."""
+
+    def __init__(self, folders: Folders, *, device: str | None = None, dtype: str | None = None,
+                 budget: Budget | None = None, nodes: Mapping[str, type] = ENGINE_NODES,
+                 cost: planner.CostModel | None = None, allow_builtin: bool = False) -> None:
+        self.folders = folders
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or ("bf16" if self.device.type == "cuda" else "fp32")
+        self.nodes = dict(nodes)
+        self.catalog = estimate.ModelCatalog(folders, self.dtype, allow_builtin)
+        self.ledger = Ledger(self.device)
+        self.budget = budget or budget_for(self.device)
+        self.cost = cost or planner.CostModel()
+        self._cache: dict[str, tuple] = {}  # signature -> outputs of the last runs
+        self._tokenizers: dict[Path | None, PromptTokenizer] = {}
+        self._interrupt = threading.Event()
+        self._lock = threading.Lock()
+        self._pid = ""
+
+    # -- services for nodes
+    def tokenizer(self, path: Path | None) -> PromptTokenizer:
+        if path not in self._tokenizers:
+            self._tokenizers[path] = PromptTokenizer.find(path)
+        return self._tokenizers[path]
+
+    def interrupt(self) -> None:
+        self._interrupt.set()
+
+    def check_interrupted(self, node: str | None = None, class_type: str | None = None) -> None:
+        if self._interrupt.is_set():
+            self._interrupt.clear()
+            raise InterruptedRun(node, class_type)
+
+    # -- planning
+    def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:
+        """Validate, estimate and plan `prompt` (API format). Raises ValidationFailed or planner.PlanError."""
+        check = validate(prompt, self.nodes, self.folders)
+        if not check.ok:
+            raise ValidationFailed(check.response())
+        prompt = {n: prompt[n] for n in check.dag.nodes}
+        costs = estimate.propagate(prompt, check.dag, self.nodes, self.catalog,
+                                   lambda cls, inp: inputs_with_defaults(cls, inp, self.folders))
+        sigs = signatures(prompt, check.dag)
+        cached = tuple(n for n in check.dag.nodes if sigs[n] in self._cache)
+        node_costs, models = estimate.planner_inputs(prompt, costs)
+        for info in (o for c in costs.values() for o in c.outputs if isinstance(o, ModelInfo)):
+            self.ledger.register(info)
+        for key, e in self.ledger.entries.items():  # models resident from earlier workflows
+            models.setdefault(key, planner.ModelCost(key, e.info.nbytes, e.info.label))
+        todo = check.dag.subgraph(n for n in check.dag.nodes if n not in cached).copy()
+        start = planner.Residency(self.ledger.on_gpu, self.ledger.pinned)
+        plan = planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, self.budget.planner(),
+                            self.cost, start, repeat=repeat)
+        return Prepared(prompt, check.dag, check.outputs, costs, sigs, cached, plan)
+
+    # -- running
+    def run(self, prompt: dict | Prepared, *, extra_pnginfo: dict | None = None, prompt_id: str | None = None,
+            events: Events = _quiet) -> RunResult:
+        with self._lock:
+            self._interrupt.clear()
+            prep = prompt if isinstance(prompt, Prepared) else self.prepare(prompt)
+            pid = self._pid = prompt_id or uuid.uuid4().hex
+            result = RunResult(pid, prep.plan, cached=prep.cached)
+            events("execution_start", {"prompt_id": pid})
+            events("plan", {"prompt_id": pid, "plan": prep.plan.to_json()})
+            if prep.cached:
+                events("execution_cached", {"prompt_id": pid, "nodes": list(prep.cached)})
+            t0 = time.perf_counter()
+            values = {n: self._cache[prep.signatures[n]] for n in prep.cached}
+            try:
+                for i, ps in enumerate(prep.plan.steps):
+                    self._step(i, ps, prep, values, result, extra_pnginfo, events)
+            except BaseException:
+                self._release()
+                raise
+            self._cache = {prep.signatures[n]: values[n] for n in prep.dag.nodes if n in values}
+            self.ledger.forget(_models_in(self._cache.values()))
+            self._release()
+            result.seconds = time.perf_counter() - t0
+            events("executing", {"node": None, "prompt_id": pid})
+            events("execution_success", {"prompt_id": pid})
+            return result
+
+    def _release(self) -> None:
+        """Return the activations' cached blocks, so the next encode and sampling find the GPU as planned."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _step(self, i: int, ps: planner.PlannedStep, prep: Prepared, values: dict, result: RunResult,
+              extra_pnginfo: dict | None, events: Events) -> None:
+        step = ps.step
+        if isinstance(step, planner.Load):
+            self.ledger.load(step.model, step.source)
+            result.loads += 1
+            events("vg_step", {"step": i, "kind": "load", "model": step.model, "source": step.source})
+        elif isinstance(step, planner.Unload):
+            self.ledger.unload(step.model, step.to)
+            result.unloads += 1
+            self._release()
+            events("vg_step", {"step": i, "kind": "unload", "model": step.model, "to": step.to})
+        else:
+            self.check_interrupted(step.node, prep.prompt[step.node]["class_type"])
+            report = self._run_node(step.node, step.variant, ps, prep, values, extra_pnginfo, events)
+            result.nodes.append(report)
+            ui = values.get(("ui", step.node))
+            if ui is not None:
+                result.ui[step.node] = ui
+                for im in ui.get("images", []):
+                    root = self.folders.output if im.get("type") == "output" else self.folders.temp
+                    result.images.append(root / im.get("subfolder", "") / im["filename"])
+
+    def _inputs(self, node: str, prep: Prepared, values: Mapping[str, tuple]) -> dict[str, Any]:
+        cls = self.nodes[prep.prompt[node]["class_type"]]
+        out = {}
+        for name, v in prep.prompt[node]["inputs"].items():
+            out[name] = values[v[0]][v[1]] if _link(v) else v
+        return inputs_with_defaults(cls, out, self.folders)
+
+    def _seed(self, node: str, prep: Prepared, values: Mapping) -> int | None:
+        for a in nx.ancestors(prep.dag, node):
+            inputs = prep.prompt[a]["inputs"]
+            for name in ("noise_seed", "seed"):
+                if name in inputs:
+                    v = inputs[name]
+                    return values[v[0]][v[1]] if _link(v) else v
+        return None
+
+    def _run_node(self, node: str, variant: str, ps: planner.PlannedStep, prep: Prepared, values: dict,
+                  extra_pnginfo: dict | None, events: Events) -> NodeReport:
+        class_type = prep.prompt[node]["class_type"]
+        cls = self.nodes[class_type]
+        events("executing", {"node": node, "display_node": node, "prompt_id": self._pid})
+        inputs = self._inputs(node, prep, values)
+        ctx = NodeContext(self, node, class_type, variant, self._seed(node, prep, values), events)
+        hidden = {"PROMPT": prep.prompt, "EXTRA_PNGINFO": extra_pnginfo, "UNIQUE_ID": node, "VG_CONTEXT": ctx}
+        for name, kind in cls.INPUT_TYPES(folders=self.folders).get("hidden", {}).items():
+            if kind in hidden:
+                inputs[name] = hidden[kind]
+        predicted = next((o.activation for o in prep.costs[node].options if o.name == variant), 0)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        try:
+            out = getattr(cls(), cls.FUNCTION)(**inputs)
+        except InterruptedRun:
+            raise
+        except Exception as e:
+            shown = {k: v for k, v in inputs.items() if isinstance(v, int | float | str | bool)}
+            hint = ""
+            if isinstance(e, torch.OutOfMemoryError):
+                hint = (f"; the plan predicted {predicted / 2**30:.2f} GiB for this node within a "
+                        f"{self.budget.gpu / 2**30:.2f} GiB budget, so its estimate is wrong: please report it, "
+                        "and meanwhile lower the size or pass a smaller --vram")
+            raise NodeExecutionError(node, class_type, f"{type(e).__name__}: {e}{hint}", type(e).__name__,
+                                     traceback.format_exception(e), shown) from e
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        measured = torch.cuda.max_memory_allocated() - base if cuda else 0
+        if isinstance(out, dict):
+            values[("ui", node)] = out.get("ui")
+            out = tuple(out.get("result", ()))
+        values[node] = tuple(out)
+        events("executed", {"node": node, "output": values.get(("ui", node)), "seconds": seconds})
+        return NodeReport(node, class_type, variant, seconds, predicted, measured)
+
+
+def _models_in(outputs: Any) -> set[str]:
+    keys = set()
+    for out in outputs:
+        for v in out:
+            if isinstance(v, ModelHandle):
+                keys.add(v.key)
+    return keys

@@ -1,8 +1,14 @@
-"""Command line: `vramgraph generate MODEL... --prompt TEXT --out image.png`.
+"""Command line: run, validate and plan saved workflows; one-shot generation; inspect; the demo.
 
-MODEL is an HF diffusers folder, a ComfyUI `models/` folder, or the component files themselves
-(transformer, text encoder, VAE), recognised from their headers. `vramgraph inspect MODEL...` prints
-what was found and the bytes each component needs, without loading anything.
+    vramgraph run WORKFLOW.json [--models DIR] [--set NODE.INPUT=VALUE ...] [-o DIR]
+    vramgraph validate WORKFLOW.json
+    vramgraph plan WORKFLOW.json [--vram 12GiB] [--size 1536x1536] [--json]
+    vramgraph generate -p PROMPT [-W 1024 -H 1024 -S SEED --steps N --guidance G -i REF ...] [-o FILE]
+    vramgraph inspect MODEL...      vramgraph demo
+
+Models resolve under a ComfyUI-style models folder (diffusion_models/ or unet/, text_encoders/ or
+clip/, vae/) given by --models, $VRAMGRAPH_MODELS, or "models" in a config file (--config, else
+./vramgraph.json, else ~/.config/vramgraph/config.json).
 """
 
 from __future__ import annotations
@@ -10,43 +16,301 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("vramgraph")
+WORKFLOWS = Path(__file__).parent / "workflows"
+CONFIG_PLACES = (Path("vramgraph.json"), Path.home() / ".config" / "vramgraph" / "config.json")
+
+
+def _engine_args(p: argparse.ArgumentParser, outputs: bool = True) -> None:
+    p.add_argument("--models", action="append", default=None, help="models folder (repeatable)")
+    p.add_argument("--config", default=None, help="JSON config with models/input/output/vram/reserve")
+    p.add_argument("--input", default=None, help="folder of input images (default ./input)")
+    if outputs:
+        p.add_argument("-o", "--output", default=None, help="output folder (default ./output)")
+    p.add_argument("--vram", default=None, help="GPU budget as a card size, e.g. 12GiB (default: free memory)")
+    p.add_argument("--reserve", default=None, help="memory kept free below the budget (default 384MiB)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on CPU")
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vramgraph", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="text to image (and reference editing) with all models resident")
-    g.add_argument("models", nargs="+", help="checkpoint folder(s) or files")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--negative", default="", help="negative prompt (base models, guidance != 1)")
-    g.add_argument("--width", type=int, default=1024)
-    g.add_argument("--height", type=int, default=1024)
-    g.add_argument("--steps", type=int, default=None, help="default: 4 distilled, 50 base")
-    g.add_argument("--guidance", type=float, default=None, help="default: 1 distilled, 4 base")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--ref", action="append", default=[], help="reference image for editing (repeatable)")
-    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    g.add_argument("--out", default="vramgraph.png", help="PNG path (index appended for several prompts)")
+    r = sub.add_parser("run", help="run a saved workflow (ComfyUI API or UI format)")
+    r.add_argument("workflow")
+    r.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE",
+                   help="override an input; NODE is the id or the title (repeatable)")
+    r.add_argument("--report", default=None, help="write the run report (plan, per-node peaks) as JSON")
+    r.add_argument("--demo", action="store_true",
+                   help="use tiny random-weight models (written to ./vramgraph-demo/models) instead of --models")
+    _engine_args(r)
+    v = sub.add_parser("validate", help="check a workflow; prints ComfyUI's error JSON and exits 1 if invalid")
+    v.add_argument("workflow")
+    v.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE")
+    _engine_args(v, outputs=False)
+    p = sub.add_parser("plan", help="print the memory plan (no weights needed) and write its timeline SVG")
+    p.add_argument("workflow")
+    p.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE")
+    p.add_argument("--size", default=None, help="WxH for every latent/scheduler size in the workflow")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--svg", default="plan.svg", help="timeline picture (default plan.svg; '' for none)")
+    p.add_argument("--host", default=None, help="host RAM budget (default: available memory)")
+    _engine_args(p, outputs=False)
+    g = sub.add_parser("generate", help="one-shot text to image or edit with the shipped workflows")
+    g.add_argument("-p", "--prompt", required=True)
+    g.add_argument("-n", "--negative", default=None, help="negative prompt (turns on guidance 4 if not given)")
+    g.add_argument("-W", "--width", type=int, default=1024)
+    g.add_argument("-H", "--height", type=int, default=1024)
+    g.add_argument("-S", "--seed", type=int, default=0)
+    g.add_argument("--steps", type=int, default=None, help="default 4 (distilled) or 50 (with --negative)")
+    g.add_argument("--guidance", type=float, default=None)
+    g.add_argument("-i", "--image", action="append", default=[], help="reference image for editing (repeatable)")
+    g.add_argument("-o", "--out", default="vramgraph.png", help="PNG path")
+    g.add_argument("--checkpoint", default=None,
+                   help="an HF model folder or a folder of the three files, instead of --models file names")
+    g.add_argument("--transformer", default="flux-2-klein-4b.safetensors")
+    g.add_argument("--text-encoder", default="qwen_3_4b.safetensors")
+    g.add_argument("--vae", default="flux2-vae.safetensors")
+    _engine_args(g, outputs=False)
     i = sub.add_parser("inspect", help="recognise checkpoints and print their spec (reads headers only)")
     i.add_argument("models", nargs="+")
-    d = sub.add_parser("demo", help="write tiny random-weight models and run the whole path on them (CPU)")
-    d.add_argument("--out", default="vramgraph-demo", help="folder for the tiny models and the two PNGs")
+    d = sub.add_parser("demo", help="tiny random-weight models + the shipped workflows, end to end (any machine)")
+    d.add_argument("--out", default="vramgraph-demo", help="folder for the tiny models, inputs and PNGs")
     return ap
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+# ------------------------------------------------------------------------------------------ settings
 
-    pngs, seconds = run_demo(Path(args.out))
-    for p in pngs:
+def _config(args: argparse.Namespace) -> dict:
+    places = [Path(args.config)] if getattr(args, "config", None) else list(CONFIG_PLACES)
+    if os.environ.get("VRAMGRAPH_CONFIG") and not getattr(args, "config", None):
+        places.insert(0, Path(os.environ["VRAMGRAPH_CONFIG"]))
+    for p in places:
+        if p.is_file():
+            try:
+                return json.loads(p.read_text())
+            except ValueError as e:
+                raise ValueError(f"config {p}: not valid JSON ({e})") from e
+        if getattr(args, "config", None):
+            raise ValueError(f"config {p}: no such file")
+    return {}
+
+
+def folders_from(args: argparse.Namespace) -> Any:
+    from .nodes.files import Folders
+
+    cfg = _config(args)
+    models = args.models or ([os.environ["VRAMGRAPH_MODELS"]] if os.environ.get("VRAMGRAPH_MODELS") else None) \
+        or cfg.get("models") or ["models"]
+    models = [models] if isinstance(models, str) else models
+    return Folders(models=tuple(Path(m).expanduser() for m in models),
+                   input=Path(args.input or cfg.get("input", "input")).expanduser(),
+                   output=Path(getattr(args, "output", None) or cfg.get("output", "output")).expanduser(),
+                   temp=Path(cfg.get("temp", Path(getattr(args, "output", None) or "output") / "temp")).expanduser())
+
+
+def engine_from(args: argparse.Namespace, allow_builtin: bool = False, host: str | None = None) -> Any:
+    import torch
+
+    from .graph.budget import budget_for
+    from .graph.executor import Engine
+
+    cfg = _config(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    budget = budget_for(device, args.vram or cfg.get("vram"), args.reserve or cfg.get("reserve"), host)
+    return Engine(folders_from(args), device=str(device), dtype=args.dtype, budget=budget,
+                  allow_builtin=allow_builtin)
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def apply_sets(prompt: dict, sets: list[str]) -> dict:
+    """--set NODE.INPUT=VALUE: NODE is an id or a node title; VALUE is JSON (numbers, true) or a string."""
+    for item in sets:
+        target, sep, value = item.partition("=")
+        node, dot, name = target.rpartition(".")
+        if not sep or not dot:
+            raise ValueError(f"--set {item}: write NODE.INPUT=VALUE, e.g. --set 6.seed=7")
+        ids = [node] if node in prompt else [i for i, n in prompt.items()
+                                            if n.get("_meta", {}).get("title") == node]
+        if len(ids) != 1:
+            raise ValueError(f"--set {item}: no node with id or title '{node}'" if not ids else
+                             f"--set {item}: several nodes are titled '{node}' ({', '.join(ids)}); use the id")
+        prompt[ids[0]].setdefault("inputs", {})[name] = _value(value)
+    return prompt
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from .graph.workflow import load_workflow
+
+    path = Path(args.workflow)
+    if not path.exists() and (WORKFLOWS / path.name).exists():
+        path = WORKFLOWS / path.name
+    wf = load_workflow(path)
+    apply_sets(wf.prompt, args.set)
+    return wf
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+class _Bars:
+    """tqdm progress for the node that is running."""
+
+    def __init__(self, prompt: dict) -> None:
+        self.prompt, self.bar = prompt, None
+
+    def __call__(self, kind: str, data: dict) -> None:
+        from tqdm import tqdm
+
+        if kind == "progress":
+            if self.bar is None:
+                node = data["node"]
+                self.bar = tqdm(total=data["max"], desc=f"{node} {self.prompt[node]['class_type']}", leave=False)
+            self.bar.n = data["value"]
+            self.bar.refresh()
+        elif kind in ("executed", "execution_success") and self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        elif kind == "vg_step":
+            log.info("  %s %s", data["kind"], data["model"].split(":")[0])
+
+
+def run_workflow(args: argparse.Namespace, wf: Any, engine: Any = None) -> Any:
+    engine = engine or engine_from(args)
+    extra = {"workflow": wf.ui} if wf.ui is not None else None
+    result = engine.run(wf.prompt, extra_pnginfo=extra, events=_Bars(wf.prompt))
+    log.info("%d nodes ran, %d cached; %d loads, %d unloads; %.2f s", len(result.nodes), len(result.cached),
+             result.loads, result.unloads, result.seconds)
+    return result
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.demo:
+        from .demo import SHIPPED_NAMES, write_tiny_models
+
+        models = Path("vramgraph-demo") / "models"
+        if not (models / "vae" / SHIPPED_NAMES["vae"]).exists():
+            write_tiny_models(models, names=SHIPPED_NAMES)
+        args.models = [str(models)]
+        log.info("demo: tiny random-weight models in %s, so the picture is noise", models)
+    wf = _load(args)
+    result = run_workflow(args, wf)
+    for p in result.images:
         print(p)
-    log.info("random weights, so the pictures are noise; the whole path ran (%.1f s)", seconds)
+    if args.report:
+        Path(args.report).write_text(json.dumps(result.to_json(), indent=1))
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .graph.validate import validate
+    from .nodes import ENGINE_NODES
+
+    wf = _load(args)
+    check = validate(wf.prompt, ENGINE_NODES, folders_from(args))
+    if check.ok:
+        print(json.dumps({"ok": True, "outputs": list(check.outputs)}))
+        return 0
+    print(json.dumps(check.response(), indent=1))
+    return 1
+
+
+def _resize(prompt: dict, size: str) -> None:
+    w, _, h = size.lower().partition("x")
+    if not (w.isdigit() and h.isdigit()):
+        raise ValueError(f"--size {size}: write WxH, e.g. 1536x1536")
+    for node in prompt.values():
+        inputs = node.get("inputs", {})
+        if node.get("class_type") in ("EmptyFlux2LatentImage", "VGEmptyLatent", "Flux2Scheduler"):
+            for name, v in (("width", int(w)), ("height", int(h))):
+                if name in inputs and not isinstance(inputs[name], list):
+                    inputs[name] = v
+        if node.get("class_type") in ("PrimitiveInt",) and node.get("_meta", {}).get("title") in ("width", "height"):
+            inputs["value"] = int(w) if node["_meta"]["title"] == "width" else int(h)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .graph.timeline import timeline_svg
+
+    wf = _load(args)
+    if args.size:
+        _resize(wf.prompt, args.size)
+    engine = engine_from(args, allow_builtin=True, host=args.host)
+    prep = engine.prepare(wf.prompt)
+    if args.json:
+        print(json.dumps(prep.plan.to_json(), indent=1))
+    else:
+        print(prep.plan.table())
+    if args.svg:
+        Path(args.svg).write_text(timeline_svg(prep.plan, f"{Path(args.workflow).name}"))
+        log.info("timeline: %s", args.svg)
+    return 0
+
+
+def generate_prompt(args: argparse.Namespace) -> dict:
+    """The shipped text-to-image / edit / base workflow, filled in from the generate options."""
+    base = args.negative is not None
+    refs = list(args.image)
+    name = "text_to_image_base" if base and not refs else "multi_reference" if len(refs) > 1 else \
+        "edit" if refs else "text_to_image"
+    prompt = json.loads((WORKFLOWS / f"{name}.json").read_text())
+    sampler = prompt["6"]["inputs"]
+    sampler.update(seed=args.seed, steps=args.steps or (50 if base else 4),
+                   guidance=args.guidance if args.guidance is not None else (4.0 if base else 1.0))
+    prompt["4"]["inputs"]["text"] = args.prompt
+    if base:
+        if refs:
+            prompt["9"] = {"class_type": "VGTextEncode", "inputs": {"text_encoder": ["2", 0], "text": ""}}
+            sampler["negative"] = ["9", 0]
+        prompt["9"]["inputs"]["text"] = args.negative
+    prompt["5"]["inputs"].update(width=args.width, height=args.height)
+    if args.checkpoint:
+        prompt["1"] = {"class_type": "VGLoadCheckpoint", "inputs": {"path": args.checkpoint}}
+        prompt.pop("3")
+        prompt.pop("2")
+        for node in prompt.values():
+            for k, v in node["inputs"].items():
+                if isinstance(v, list) and v[0] in ("2", "3"):
+                    node["inputs"][k] = ["1", {"2": 1, "3": 2}[v[0]]]
+    else:
+        prompt["1"]["inputs"]["file"] = args.transformer
+        prompt["2"]["inputs"]["file"] = args.text_encoder
+        prompt["3"]["inputs"]["file"] = args.vae
+    return prompt
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    from .graph.workflow import Workflow
+
+    prompt = generate_prompt(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.output = tmp
+        if args.image:  # the references are read through the input folder, as a workflow would
+            args.input = tmp
+            for node, path in zip(("10", "12"), args.image, strict=False):
+                src = Path(path)
+                if not src.is_file():
+                    raise ValueError(f"--image {path}: no such file")
+                shutil.copy(src, Path(tmp) / f"ref{node}{src.suffix}")
+                prompt[node]["inputs"]["image"] = f"ref{node}{src.suffix}"
+        result = run_workflow(args, Workflow(prompt, None, "generate"))
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(result.images[0]), out)
+    print(out)
     return 0
 
 
@@ -67,49 +331,37 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import torch
-    from PIL import Image
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
 
-    from .models import loading
-    from .models.pipeline import generate, load_models
-    from .models.sampling import images_from_pixels
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    spec = loading.inspect(args.models)
-    if device.type == "cuda":
-        need = sum(spec.component(k).nbytes(dtype) for k in loading.COMPONENTS)
-        free, _ = torch.cuda.mem_get_info(device)
-        if need > free:
-            raise ValueError(f"the three models need {need / 2**30:.2f} GiB resident in {args.dtype} but {device} has "
-                             f"{free / 2**30:.2f} GiB free; this command keeps every model on the GPU (planned "
-                             "swapping comes with the graph engine): use a larger GPU or --device cpu")
-    refs = [Image.open(p) for p in args.ref]
-    t0 = time.perf_counter()
-    models = load_models(spec, dtype=dtype, device=device)
-    log.info("loaded in %.1f s", time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    pixels = generate(models, args.prompt, width=args.width, height=args.height, seed=args.seed, steps=args.steps,
-                      guidance=args.guidance, negative=args.negative, references=refs,
-                      progress=lambda i, n: log.info("step %d/%d", i, n))
-    log.info("generated in %.2f s", time.perf_counter() - t0)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for img in images_from_pixels(pixels):
-        img.save(out)
-        print(out)
+    pngs, seconds = run_demo(Path(args.out))
+    for p in pngs:
+        print(p)
+    log.info("random weights, so the pictures are noise; the whole path ran (%.1f s)", seconds)
     return 0
+
+
+COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _generate, "inspect": _inspect,
+            "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = _parser().parse_args(argv)
+    from .graph.errors import VramgraphError
+    from .graph.planner import PlanError
     from .models.common import CheckpointError
 
     try:
-        return {"inspect": _inspect, "demo": _demo, "generate": _generate}[args.command](args)
-    except (CheckpointError, ValueError, OSError) as e:  # OSError: unreadable --ref image or output path
+        return COMMANDS[args.command](args)
+    except PlanError as e:
+        print(json.dumps({"error": e.to_dict()}, indent=1), file=sys.stderr)
+        return 3
+    except VramgraphError as e:
+        body = getattr(e, "response", None) or {"error": e.to_dict()}
+        print(json.dumps(body, indent=1, default=str), file=sys.stderr)
+        return 1
+    except (CheckpointError, ValueError, OSError) as e:
         print(f"vramgraph {args.command}: {e}", file=sys.stderr)
         return 2
 

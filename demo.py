@@ -54,19 +54,30 @@ def write_tiny_models(models: Path, seed: int = 0, names: dict[str, str | list[s
     return models
 
 
-def run_demo(out: Path, size: int = 256) -> tuple[list[Path], float]:
-    """Write the tiny models under `out`, then a text-to-image and an edit PNG; returns them and the seconds
-    the two generations took."""
-    from .models.pipeline import generate, load_models
-    from .models.sampling import images_from_pixels
+SHIPPED_NAMES = {"transformer": ["flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors"],
+                 "text_encoder": "qwen_3_4b.safetensors", "vae": "flux2-vae.safetensors"}
 
-    out.mkdir(parents=True, exist_ok=True)
-    models = load_models(write_tiny_models(out / "models"), dtype=torch.float32, device="cpu")
+
+def run_demo(out: Path, size: int = 256) -> tuple[list[Path], float]:
+    """Tiny models under the shipped workflows' file names in `out/models`, then the shipped text-to-image
+    workflow and an edit of its picture through the graph engine; returns the PNGs and the seconds taken."""
+    import json
+    import shutil
+
+    from .graph.executor import Engine
+    from .nodes.files import Folders
+
+    workflows = Path(__file__).parent / "workflows"
+    folders = Folders(models=(out / "models",), input=out / "input", output=out / "output", temp=out / "temp")
+    write_tiny_models(out / "models", names=SHIPPED_NAMES)
+    engine = Engine(folders)
     t0 = time.perf_counter()
-    first = images_from_pixels(generate(models, "a lighthouse at dusk", width=size, height=size, seed=1))[0]
-    edit = images_from_pixels(generate(models, "make it winter", width=size, height=size, seed=2,
-                                       references=[first]))[0]
-    paths = [out / "text_to_image.png", out / "edit.png"]
-    first.save(paths[0])
-    edit.save(paths[1])
-    return paths, time.perf_counter() - t0
+    pngs = []
+    for name in ("text_to_image", "edit"):
+        prompt = json.loads((workflows / f"{name}.json").read_text())
+        prompt["5"]["inputs"].update(width=size, height=size)
+        if name == "edit":
+            folders.input.mkdir(parents=True, exist_ok=True)
+            shutil.copy(pngs[0], folders.input / "reference.png")
+        pngs += engine.run(prompt).images
+    return pngs, time.perf_counter() - t0

@@ -183,7 +183,7 @@ class Engine:
         check = validate(prompt, self.nodes, self.folders)
         if not check.ok:
             raise ValidationFailed(check.response())
-        prompt = {n: prompt[n] for n in check.dag.nodes}
+        prompt = {n: check.prompt[n] for n in check.dag.nodes}
         costs = estimate.propagate(prompt, check.dag, self.nodes, self.catalog,
                                    lambda cls, inp: inputs_with_defaults(cls, inp, self.folders))
         sigs = signatures(prompt, check.dag)

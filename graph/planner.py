@@ -1,0 +1,551 @@
+"""Ahead-of-time GPU memory planner: (graph, costs, budget, cost model) -> Plan of Load/Unload/Run steps.
+
+A pure function: it imports neither torch nor the nodes; it sees sizes and predicted seconds, never tensors.
+The plan is made in three passes, each a simple greedy rule that a user can follow by hand:
+
+1. **Order** (`_order`). A topological order built one node at a time. Among the ready nodes, prefer one
+   whose preferred variant's models are already resident (this groups work by model: a queue of N prompts
+   becomes encode all, sample all, decode all), then the lowest original position (insertion order of
+   `dag.nodes`). Host RAM held by node outputs (`NodeCost.host_bytes`, alive from the producer's run until
+   its last consumer has run) must stay within `budget.host` minus the pinned copies that already exist;
+   a ready node that would exceed it is passed over, which falls back to finishing the earlier chains
+   first. Residency in this pass is a rough sketch (least recently used models leave when the budget is
+   exceeded); the real residency is decided in pass 3.
+2. **Pinned copies** (`_choose_pins`). Models are given a pinned host copy while host RAM allows
+   (`budget.host` minus the peak of live outputs), models loaded most often first, then the largest. A pinned
+   copy is made while loading from the file (`Load(pin=True)`) and kept: later unloads free the GPU copy only
+   (`Unload(to="pinned")`) and reloads run at pinned PCIe speed. Without a pinned copy an unload drops
+   the weights (`Unload(to="drop")`) and the reload reads the file again.
+3. **Residency and variants** (`_assign`). Weights are like registers. Before each Run the chosen variant's
+   models must be resident; unloads happen only when resident weights + missing weights + the variant's
+   activation exceed `budget.gpu`. Models the node does not need are evicted in order of their eviction
+   cost: free first (never used again, or forced out anyway before their next use because that node and
+   the model cannot fit together), then the cheapest reload (bytes / bandwidth of its source), ties broken
+   by the farthest next use (Belady). Afterwards any evicted model that still fits is kept. With
+   `repeat=True`, "next use" looks past the end of the run into the same sequence run again (the next
+   image), so the end state is what the next run wants. Each node gets the variant with the least predicted
+   time = variant seconds + loads of its missing models + reloads its evictions cause.
+
+Nothing is ever unloaded unless a node forces it out, and nothing is loaded before the node that needs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import networkx as nx
+
+GiB = 2**30
+_INF = math.inf
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """One model's weights as the planner sees them."""
+
+    key: str  # e.g. "transformer:/path/flux-2-klein-4b.safetensors:bf16"
+    nbytes: int  # bytes its weights take on the GPU
+    label: str = ""  # short display name, e.g. "transformer"
+
+    @property
+    def name(self) -> str:
+        return self.label or self.key
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run a node: which models it needs resident, its activation peak and its time."""
+
+    name: str  # "gpu", "tiled", "cpu", ...
+    models: tuple[str, ...]  # model keys that must be resident on the GPU while it runs
+    activation: int  # bytes of GPU memory above the resident weights (its peak)
+    seconds: float  # predicted compute time
+    note: str = ""  # why/what, shown to users (e.g. "decodes on the CPU: 134 s")
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    node: str  # node id in the workflow
+    class_type: str  # e.g. "VAEDecode"
+    variants: tuple[Variant, ...]  # at least one; the first is preferred when all else is equal
+    host_bytes: int = 0  # host RAM its outputs hold until their last consumer has run
+
+
+@dataclass(frozen=True)
+class CostModel:
+    h2d_pinned: float = 55.3e9  # bytes/s, host->GPU from pinned host memory (H200 measured)
+    h2d_pageable: float = 8.06e9  # bytes/s from pageable memory
+    disk: float = 2.0e9  # bytes/s reading a memory-mapped checkpoint from disk
+
+    def load_seconds(self, nbytes: int, pinned: bool) -> float:
+        """Pinned: one PCIe copy. From the file: the slower of the disk read and the pageable copy."""
+        return nbytes / (self.h2d_pinned if pinned else min(self.disk, self.h2d_pageable))
+
+
+@dataclass(frozen=True)
+class Budget:
+    gpu: int  # bytes the plan may use on the GPU (weights + activations), reserve already subtracted
+    host: int  # bytes of host RAM for pinned copies of weights and node outputs (host_bytes)
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Where weights are at the start of a run (carried over from the previous run) or at its end."""
+
+    gpu: frozenset[str] = frozenset()
+    pinned: frozenset[str] = frozenset()  # models with a pinned host copy
+
+
+# ----------------------------------------------------------------------------------------------- steps
+
+
+@dataclass(frozen=True)
+class Load:
+    """Copy a model's weights to the GPU from its pinned copy or from the file.
+
+    `pin=True` (only with source "file"): make a pinned host copy while loading and keep it.
+    """
+
+    model: str
+    source: str  # "pinned" | "file"
+    pin: bool = False
+    kind: ClassVar[str] = "load"
+
+
+@dataclass(frozen=True)
+class Unload:
+    """Free a model's GPU copy; "pinned": its pinned host copy remains, "drop": a reload reads the file."""
+
+    model: str
+    to: str  # "pinned" | "drop"
+    kind: ClassVar[str] = "unload"
+
+
+@dataclass(frozen=True)
+class Run:
+    node: str
+    variant: str
+    kind: ClassVar[str] = "run"
+
+
+Step = Load | Unload | Run
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    step: Step
+    gpu_bytes: int  # predicted GPU bytes in use during/after the step (resident weights + Run activation)
+    resident: tuple[str, ...]  # GPU-resident model keys after the step
+    seconds: float  # predicted
+    note: str = ""  # why this step is here (shown to users)
+
+
+class PlanError(ValueError):
+    """A node fits on the GPU with none of its variants, even with every other model evicted."""
+
+    def __init__(self, node: str, class_type: str, needed: int, budget: int, message: str, details: str,
+                 extra: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.class_type = class_type
+        self.needed = needed
+        self.budget = budget
+        self.message = message
+        self.details = details
+        self.extra = dict(extra or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        """ComfyUI's error shape."""
+        extra = {"node_id": self.node, "class_type": self.class_type, "needed_bytes": self.needed,
+                 "budget_bytes": self.budget, **self.extra}
+        return {"type": "vram_plan_infeasible", "message": self.message, "details": self.details,
+                "extra_info": extra}
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple[PlannedStep, ...]
+    budget: Budget
+    models: Mapping[str, ModelCost]
+    end: Residency
+    start: Residency = Residency()
+    classes: Mapping[str, str] = field(default_factory=dict)  # node id -> class_type, for display
+
+    @property
+    def loads(self) -> int:
+        return sum(1 for s in self.steps if isinstance(s.step, Load))
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes copied host->GPU by the Load steps."""
+        return sum(self.models[s.step.model].nbytes for s in self.steps if isinstance(s.step, Load))
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+    @property
+    def peak(self) -> int:
+        return max((s.gpu_bytes for s in self.steps), default=0)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return tuple(s.step.node for s in self.steps if isinstance(s.step, Run))
+
+    def variant_of(self, node: str) -> str:
+        for s in self.steps:
+            if isinstance(s.step, Run) and s.step.node == node:
+                return s.step.variant
+        raise KeyError(f"node {node!r} is not in the plan")
+
+    def label(self, model: str) -> str:
+        m = self.models.get(model)
+        return m.name if m else model
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict: steps with their predictions, budget, models, end residency and totals."""
+        steps = []
+        for s in self.steps:
+            d: dict[str, Any] = {"kind": s.step.kind, **{k: v for k, v in vars(s.step).items()}}
+            d.update(gpu_bytes=s.gpu_bytes, resident=list(s.resident), seconds=s.seconds, note=s.note)
+            steps.append(d)
+        return {
+            "steps": steps,
+            "budget": {"gpu": self.budget.gpu, "host": self.budget.host},
+            "models": {k: {"nbytes": m.nbytes, "label": m.label} for k, m in self.models.items()},
+            "start": {"gpu": sorted(self.start.gpu), "pinned": sorted(self.start.pinned)},
+            "end": {"gpu": sorted(self.end.gpu), "pinned": sorted(self.end.pinned)},
+            "order": list(self.order),
+            "loads": self.loads,
+            "bytes_moved": self.bytes_moved,
+            "seconds": self.seconds,
+            "peak": self.peak,
+        }
+
+    def describe(self, s: PlannedStep) -> tuple[str, str, str]:
+        """(step name, model or node, variant/source) of one step, for tables and labels."""
+        st = s.step
+        if isinstance(st, Run):
+            cls = self.classes.get(st.node)
+            return "Run", f"{st.node} ({cls})" if cls else st.node, st.variant
+        if isinstance(st, Load):
+            return "Load", self.label(st.model), f"from {st.source}" + (" +pin" if st.pin else "")
+        return "Unload", self.label(st.model), "to pinned" if st.to == "pinned" else "drop"
+
+    def table(self) -> str:
+        """Aligned text table, one row per step, and a totals line."""
+        rows = [("#", "step", "model/node", "variant", "GPU GiB", "seconds", "note")]
+        for i, s in enumerate(self.steps, 1):
+            rows.append((str(i), *self.describe(s), _gib(s.gpu_bytes), f"{s.seconds:.3f}", s.note))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        right = {0, 4, 5}
+        lines = ["  ".join(v.rjust(widths[c]) if c in right else v.ljust(widths[c]) for c, v in enumerate(r)).rstrip()
+                 for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.append(f"{self.loads} loads, {_gib(self.bytes_moved)} GiB moved, peak {_gib(self.peak)} of "
+                     f"{_gib(self.budget.gpu)} GiB, {self.seconds:.3f} s predicted")
+        return "\n".join(lines)
+
+    def graph(self) -> nx.DiGraph:
+        """Runs and memory steps as a chain a UI can draw.
+
+        Run nodes are keyed by node id; Load/Unload nodes by "load:<model>@<step>" / "unload:<model>@<step>".
+        Memory steps between two runs form a chain prev Run -> Unload -> Load -> next Run (edges kind
+        "memory"); consecutive runs with nothing between are joined by an edge of kind "order".
+        """
+        g = nx.DiGraph()
+        prev: str | None = None
+        pending: list[str] = []
+        for i, s in enumerate(self.steps):
+            st = s.step
+            name, what, how = self.describe(s)
+            if isinstance(st, Run):
+                nid = st.node
+                g.add_node(nid, kind="run", step=i, variant=st.variant, class_type=self.classes.get(nid, ""),
+                           label=f"{what} [{how}]", gpu_bytes=s.gpu_bytes, seconds=s.seconds, note=s.note)
+                chain = [p for p in (prev, *pending, nid) if p is not None]
+                for a, b in itertools.pairwise(chain):
+                    g.add_edge(a, b, kind="memory" if pending else "order")
+                prev, pending = nid, []
+            else:
+                nid = f"{st.kind}:{st.model}@{i}"
+                g.add_node(nid, kind=st.kind, step=i, model=st.model, label=f"{name} {what} ({how})",
+                           gpu_bytes=s.gpu_bytes, seconds=s.seconds, note=s.note)
+                pending.append(nid)
+        return g
+
+
+# ------------------------------------------------------------------------------------------- planning
+
+
+class _Sizes:
+    """Byte sums of model sets, memoised per variant (the planner's inner loops ask often)."""
+
+    def __init__(self, models: Mapping[str, ModelCost]) -> None:
+        self.models = models
+        self._cache: dict[tuple[str, ...], int] = {}
+
+    def w(self, key: str) -> int:
+        return self.models[key].nbytes
+
+    def weights(self, keys: tuple[str, ...]) -> int:
+        got = self._cache.get(keys)
+        if got is None:
+            got = self._cache[keys] = sum(self.w(k) for k in dict.fromkeys(keys))
+        return got
+
+    def alone(self, v: Variant) -> int:
+        """GPU bytes a variant needs with nothing else resident."""
+        return self.weights(v.models) + v.activation
+
+
+def _infeasible(nc: NodeCost, sizes: _Sizes, budget: int) -> PlanError:
+    v = min(nc.variants, key=sizes.alone)
+    needed, w = sizes.alone(v), sizes.weights(v.models)
+    at_least = -(-needed * 100 // GiB) / 100  # rounded up to the hundredth: a budget that surely fits
+    if w < budget:
+        fit = (f"it would fit with a budget of at least {at_least:.2f} GiB, or with {v.name!r} at an activation "
+               f"of at most {(budget - w) * 100 // GiB / 100:.2f} GiB (a smaller image or batch)")
+    else:
+        fit = (f"its weights alone ({_gib(w)} GiB) exceed the budget; it needs a budget of at least "
+               f"{at_least:.2f} GiB")
+    msg = (f"node {nc.node!r} ({nc.class_type}) needs {_gib(needed)} GiB of GPU memory with its smallest variant "
+           f"{v.name!r} (weights {_gib(w)} GiB + activation {_gib(v.activation)} GiB) but the budget is "
+           f"{_gib(budget)} GiB; {fit}")
+    details = "; ".join(f"{x.name}: {_gib(sizes.alone(x))} GiB (weights {_gib(sizes.weights(x.models))} + "
+                        f"activation {_gib(x.activation)})" for x in nc.variants)
+    extra = {"variants": [{"name": x.name, "needed_bytes": sizes.alone(x)} for x in nc.variants],
+             "min_budget_gib": at_least}
+    return PlanError(nc.node, nc.class_type, needed, budget, msg, details, extra)
+
+
+def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
+              start: Residency) -> list[str]:
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = nx.find_cycle(dag)
+        raise ValueError(f"the graph has a cycle through {[u for u, _ in cycle]}; break it to plan")
+    nodes = list(dag.nodes)
+    for n in nodes:
+        nc = costs.get(n)
+        if nc is None:
+            raise ValueError(f"node {n!r} has no NodeCost: estimate every node before planning")
+        if not nc.variants:
+            raise ValueError(f"node {n!r} ({nc.class_type}) has no variants: give it at least one")
+        for v in nc.variants:
+            for m in v.models:
+                if m not in models:
+                    raise ValueError(f"node {n!r} ({nc.class_type}) variant {v.name!r} needs model {m!r}, "
+                                     "which is missing from `models`")
+    for m in start.gpu:
+        if m not in models:
+            raise ValueError(f"model {m!r} is resident at the start but missing from `models`: describe every "
+                             "resident model so that its bytes are counted")
+    return nodes
+
+
+def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, gpu: int,
+           prov: Mapping[str, Variant], start: Residency, host_limit: int) -> tuple[list[str], int]:
+    """Pass 1: the run order (see the module docstring) and the peak of host bytes held by live outputs."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    indeg = {n: dag.in_degree(n) for n in nodes}
+    left = {n: dag.out_degree(n) for n in nodes}  # consumers not yet run
+    ready = [n for n in nodes if indeg[n] == 0]
+    resident: list[str] = sorted(start.gpu)  # least recently used first
+    live = peak = 0
+    order: list[str] = []
+
+    def during(n: str) -> int:
+        return live + costs[n].host_bytes
+
+    def freed(n: str) -> int:
+        out = sum(costs[p].host_bytes for p in dag.predecessors(n) if left[p] == 1)
+        return out + (costs[n].host_bytes if left[n] == 0 else 0)
+
+    while ready:
+        res = set(resident)
+        cands = sorted(ready, key=lambda n: (not set(prov[n].models) <= res, pos[n]))
+        pick = next((n for n in cands if during(n) <= host_limit), None)
+        if pick is None:  # nothing fits in host RAM: the node that leaves the least held, earliest first
+            pick = min(cands, key=lambda n: (during(n) - freed(n), pos[n]))
+            log.warning("node outputs need %s GiB of host RAM at %r, above the %s GiB available",
+                        _gib(during(pick)), pick, _gib(host_limit))
+        peak = max(peak, during(pick))
+        live = during(pick) - freed(pick)
+        for p in dag.predecessors(pick):
+            left[p] -= 1
+        order.append(pick)
+        ready.remove(pick)
+        for s in dag.successors(pick):
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+        v = prov[pick]
+        for m in dict.fromkeys(v.models):
+            if m in resident:
+                resident.remove(m)
+            resident.append(m)
+        while sum(sizes.w(m) for m in resident) + v.activation > gpu:
+            victim = next((m for m in resident if m not in v.models), None)
+            if victim is None:
+                break
+            resident.remove(victim)
+    return order, peak
+
+
+@dataclass
+class _Assigned:
+    steps: list[PlannedStep]
+    chosen: dict[str, Variant]
+    end: Residency
+    loads: Counter[str]
+
+
+def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budget: Budget, cm: CostModel,
+            start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool) -> _Assigned:
+    """Pass 3: residency and variants along a fixed order (see the module docstring)."""
+    gpu = budget.gpu
+    n = len(order)
+    resident: list[str] = sorted(start.gpu)
+    pinned: set[str] = set(start.pinned)
+    chosen: dict[str, Variant] = {}
+    steps: list[PlannedStep] = []
+    loads: Counter[str] = Counter()
+
+    def future(i: int, cur: Variant) -> Iterator[tuple[int, Variant]]:
+        """(distance, variant) of the nodes after position i: this run, then (repeat) the next run."""
+        for j in range(i + 1, n):
+            yield j - i, chosen.get(order[j]) or prov[order[j]]
+        if repeat:
+            for j in range(i):
+                yield n - i + j, chosen[order[j]]
+            yield n, cur
+
+    def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
+        """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
+        wm = sizes.w(m)
+        for d, v in future(i, cur):
+            if m in v.models:
+                return cm.load_seconds(wm, m in pinned), d  # m is resident: pinned by now if ever
+            if sizes.weights(v.models) + wm + v.activation > gpu:
+                return 0.0, _INF  # that node and m cannot fit together: m is forced out before its next use
+        return 0.0, _INF  # never used again
+
+    def evictions(i: int, v: Variant) -> tuple[list[str], float]:
+        total = sum(sizes.w(m) for m in resident) + sum(sizes.w(m) for m in dict.fromkeys(v.models)
+                                                         if m not in resident) + v.activation
+        if total <= gpu:
+            return [], 0.0
+        keyed = sorted(((*evict_cost(m, i, v), m) for m in resident if m not in v.models),
+                       key=lambda t: (t[0], -t[1], -sizes.w(t[2])))
+        out: list[tuple[float, float, str]] = []
+        for t in keyed:
+            if total <= gpu:
+                break
+            out.append(t)
+            total -= sizes.w(t[2])
+        for t in reversed(out[:]):  # keep back any evicted model that still fits, most costly first
+            if total + sizes.w(t[2]) <= gpu:
+                out.remove(t)
+                total += sizes.w(t[2])
+        return [m for _, _, m in out], sum(c for c, _, _ in out)
+
+    for i, node in enumerate(order):
+        nc = costs[node]
+        best: tuple[float, Variant, list[str]] | None = None
+        options: list[tuple[Variant, float | None]] = []
+        for v in nc.variants:
+            if sizes.alone(v) > gpu:
+                options.append((v, None))
+                continue
+            out, reload_s = evictions(i, v)
+            missing = [m for m in dict.fromkeys(v.models) if m not in resident]
+            t = v.seconds + reload_s + sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
+            options.append((v, t))
+            if best is None or t < best[0]:
+                best = (t, v, out)
+        assert best is not None  # feasibility was checked up front
+        t, v, out = best
+        chosen[node] = v
+        for m in out:
+            resident.remove(m)
+            to = "pinned" if m in pinned else "drop"
+            steps.append(PlannedStep(Unload(m, to), sum(sizes.w(r) for r in resident), tuple(resident), 0.0,
+                                     f"makes room for {node} ({nc.class_type})"))
+        for m in dict.fromkeys(v.models):
+            if m in resident:
+                continue
+            src = "pinned" if m in pinned else "file"
+            pin = src == "file" and m in pins
+            secs = cm.load_seconds(sizes.w(m), src == "pinned")
+            if pin:
+                pinned.add(m)
+            resident.append(m)
+            loads[m] += 1
+            steps.append(PlannedStep(Load(m, src, pin), sum(sizes.w(r) for r in resident), tuple(resident), secs,
+                                     f"for {node}" + (", pinned while loading" if pin else "")))
+        note = v.note
+        if v is not nc.variants[0]:
+            alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
+                             for a, ta in options if a is not v)
+            note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
+        steps.append(PlannedStep(Run(node, v.name), sum(sizes.w(r) for r in resident) + v.activation,
+                                 tuple(resident), v.seconds, note))
+    return _Assigned(steps, chosen, Residency(frozenset(resident), frozenset(pinned)), loads)
+
+
+def _choose_pins(first: _Assigned, sizes: _Sizes, costs: Mapping[str, NodeCost], order: list[str],
+                 start: Residency, room: int) -> frozenset[str]:
+    """Pass 2: the models that get a pinned copy: start's, then while host RAM allows the most loaded ones,
+    the largest first among equals (a pinned reload saves time in proportion to bytes)."""
+    used = dict.fromkeys(m for n in order for v in costs[n].variants for m in v.models)
+    rank = {m: (-first.loads[m], -sizes.w(m), k) for k, m in enumerate(used)}
+    pins = set(start.pinned)
+    for m in sorted((m for m in used if m not in pins), key=rank.__getitem__):
+        if sizes.w(m) <= room:
+            pins.add(m)
+            room -= sizes.w(m)
+    return frozenset(pins)
+
+
+def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost], budget: Budget,
+         cost: CostModel = CostModel(), start: Residency = Residency(), *, repeat: bool = True) -> Plan:
+    """Plan one run of `dag`: the order, every node's variant and the Load/Unload steps between runs.
+
+    `dag` edges u->v mean v consumes an output of u; every node needs a NodeCost in `costs`. `start` is the
+    residency left by the previous run. With `repeat`, the plan expects the same graph to run again next
+    and keeps what that run will want. Raises PlanError when a node fits with no variant.
+    """
+    nodes = _validate(dag, costs, models, start)
+    sizes = _Sizes(models)
+    prov: dict[str, Variant] = {}
+    for n in nodes:
+        nc = costs[n]
+        fit = next((v for v in nc.variants if sizes.alone(v) <= budget.gpu), None)
+        if fit is None:
+            raise _infeasible(nc, sizes, budget.gpu)
+        prov[n] = fit
+    pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
+    order, peak_out = _order(dag, nodes, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
+    everything = frozenset(models)
+    first = _assign(order, costs, sizes, budget, cost, start, prov, everything, repeat)
+    pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes)
+    used = {m for n in order for v in costs[n].variants for m in v.models}
+    done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)
+    return Plan(tuple(done.steps), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes})

@@ -177,6 +177,15 @@ class Engine:
             self._interrupt.clear()
             raise InterruptedRun(node, class_type)
 
+    def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
+        """ComfyUI's /free: forget cached outputs and unload every model (weights and pinned copies)."""
+        with self._lock:
+            if free_memory or unload_models:
+                self._cache.clear()
+            if unload_models:
+                self.ledger.forget(set())
+            self._release()
+
     # -- planning
     def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:
         """Validate, estimate and plan `prompt` (API format). Raises ValidationFailed or planner.PlanError."""

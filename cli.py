@@ -5,6 +5,7 @@
     vramgraph plan WORKFLOW.json [--vram 12GiB] [--size 1536x1536] [--json]
     vramgraph generate -p PROMPT [-W 1024 -H 1024 -S SEED --steps N --guidance G -i REF ...] [-o FILE]
     vramgraph inspect MODEL...      vramgraph demo
+    vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB]
 
 Models resolve under a ComfyUI-style models folder (diffusion_models/ or unet/, text_encoders/ or
 clip/, vae/) given by --models, $VRAMGRAPH_MODELS, or "models" in a config file (--config, else
@@ -79,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(g, outputs=False)
     i = sub.add_parser("inspect", help="recognise checkpoints and print their spec (reads headers only)")
     i.add_argument("models", nargs="+")
+    s = sub.add_parser("serve", help="a local server with ComfyUI's API and a page that shows the memory plan")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8188, help="port (default 8188, ComfyUI's)")
+    s.add_argument("--demo", action="store_true",
+                   help="serve tiny random-weight models (written to ./vramgraph-demo/models) instead of --models")
+    _engine_args(s)
     d = sub.add_parser("demo", help="tiny random-weight models + the shipped workflows, end to end (any machine)")
     d.add_argument("--out", default="vramgraph-demo", help="folder for the tiny models, inputs and PNGs")
     return ap
@@ -213,16 +220,35 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from .graph.errors import WorkflowError
     from .graph.validate import validate
     from .nodes import ENGINE_NODES
 
-    wf = _load(args)
-    check = validate(wf.prompt, ENGINE_NODES, folders_from(args))
+    try:
+        prompt = _load(args).prompt
+    except WorkflowError as e:  # an API prompt with a broken node is the validator's to explain, as ComfyUI does
+        prompt = _api_like(Path(args.workflow))
+        if prompt is None:
+            print(json.dumps({"error": e.to_dict(), "node_errors": {}}, indent=1))
+            return 1
+    check = validate(prompt, ENGINE_NODES, folders_from(args))
     if check.ok:
         print(json.dumps({"ok": True, "outputs": list(check.outputs)}))
         return 0
     print(json.dumps(check.response(), indent=1))
     return 1
+
+
+def _api_like(path: Path) -> dict | None:
+    """The file's JSON if it is an object of node id -> node that the format detection refused (a node that is not
+    an object, or has no class_type), else None."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(data, dict) or not data or "nodes" in data or "prompt" in data:
+        return None
+    return data if any(isinstance(n, dict) and "class_type" in n for n in data.values()) else None
 
 
 def _resize(prompt: dict, size: str) -> None:
@@ -235,8 +261,9 @@ def _resize(prompt: dict, size: str) -> None:
             for name, v in (("width", int(w)), ("height", int(h))):
                 if name in inputs and not isinstance(inputs[name], list):
                     inputs[name] = v
-        if node.get("class_type") in ("PrimitiveInt",) and node.get("_meta", {}).get("title") in ("width", "height"):
-            inputs["value"] = int(w) if node["_meta"]["title"] == "width" else int(h)
+        title = str(node.get("_meta", {}).get("title", "")).lower()  # ComfyUI's templates title them "Width"
+        if node.get("class_type") in ("PrimitiveInt",) and title in ("width", "height"):
+            inputs["value"] = int(w) if title == "width" else int(h)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -245,6 +272,8 @@ def _plan(args: argparse.Namespace) -> int:
     wf = _load(args)
     if args.size:
         _resize(wf.prompt, args.size)
+    if args.dtype is None:  # a plan is for the GPU, where the models run in bf16 (fp32 is the CPU's run default)
+        args.dtype = "bf16"
     engine = engine_from(args, allow_builtin=True, host=args.host)
     prep = engine.prepare(wf.prompt)
     if args.json:
@@ -300,10 +329,15 @@ def _generate(args: argparse.Namespace) -> int:
         args.output = tmp
         if args.image:  # the references are read through the input folder, as a workflow would
             args.input = tmp
+            from PIL import Image
+
             for node, path in zip(("10", "12"), args.image, strict=False):
                 src = Path(path)
-                if not src.is_file():
-                    raise ValueError(f"--image {path}: no such file")
+                try:
+                    with Image.open(src) as im:
+                        im.verify()
+                except OSError as e:
+                    raise ValueError(f"--image {path}: not a readable image ({e})") from e
                 shutil.copy(src, Path(tmp) / f"ref{node}{src.suffix}")
                 prompt[node]["inputs"]["image"] = f"ref{node}{src.suffix}"
         result = run_workflow(args, Workflow(prompt, None, "generate"))
@@ -341,8 +375,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .server import serve
+
+    return serve(args)
+
+
 COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _generate, "inspect": _inspect,
-            "demo": _demo}
+            "demo": _demo, "serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,6 +73,7 @@ def budget_for(device: torch.device | str, vram: str | int | None = None, reserv
     ours = torch.cuda.memory_reserved(index)
     outside = max(0, total - free - ours)  # this process's context (assumes the device is not shared)
     if vram is None:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)  # undo an earlier cap in this process
         return Budget(free + ours - res, host_bytes, None, res, outside)
     card = parse_size(vram)
     if card > total:

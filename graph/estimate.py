@@ -9,6 +9,7 @@ turns the costs into the planner's torch-free terms.
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from ..models.common import CheckpointError
 from ..nodes.files import Folders
 from ..nodes.types import UNKNOWN, Cost, ModelInfo
 from . import planner
+from .errors import NodeExecutionError
 
 LABELS = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "vae"}
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -136,7 +138,12 @@ def propagate(prompt: Mapping[str, dict], dag: nx.DiGraph, nodes: Mapping[str, t
         inputs = inputs_of(prompt, node, outputs)
         if with_defaults is not None:
             inputs = with_defaults(cls, inputs)
-        cost = cls.vg_estimate(env, **inputs)
+        try:
+            cost = cls.vg_estimate(env, **inputs)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            # a missing or unreadable file, or a value the node cannot use: the node fails, by name, before any run
+            raise NodeExecutionError(node, prompt[node]["class_type"], f"{type(e).__name__}: {e}",
+                                     type(e).__name__, traceback.format_exception(e)) from e
         costs[node] = cost
         outputs[node] = cost.outputs
     return costs

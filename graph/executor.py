@@ -27,12 +27,12 @@ import torch
 
 from ..models.qwen3 import PromptTokenizer
 from ..nodes import ENGINE_NODES
-from ..nodes.files import Folders
+from ..nodes.files import MODEL_EXTENSIONS, Folders
 from ..nodes.types import ModelInfo
 from ..nodes.values import ModelHandle
 from . import estimate, planner
 from .budget import Budget, budget_for
-from .errors import InterruptedRun, NodeExecutionError, ValidationFailed
+from .errors import InterruptedRun, NodeExecutionError, ValidationFailed, _type_name
 from .ledger import Ledger
 from .validate import inputs_with_defaults, validate
 
@@ -143,6 +143,24 @@ def _quiet(kind: str, data: dict) -> None:
     pass
 
 
+@dataclass(frozen=True)
+class _AssumedFiles(Folders):
+    """Folders whose model lists also hold the files a prompt names: a plan from the built-in specs needs none."""
+
+    assumed: frozenset[str] = frozenset()
+
+    def list(self, folder: str) -> list[str]:
+        found = super().list(folder)
+        return found if folder == "input" else sorted({*found, *self.assumed})
+
+
+def _model_names(prompt: Any) -> frozenset[str]:
+    """Every literal input of `prompt` that looks like a model file name."""
+    nodes = prompt.values() if isinstance(prompt, Mapping) else ()
+    return frozenset(v for n in nodes if isinstance(n, Mapping) and isinstance(n.get("inputs"), Mapping)
+                     for v in n["inputs"].values() if isinstance(v, str) and v.lower().endswith(MODEL_EXTENSIONS))
+
+
 class Engine:
     """One process's engine: the model catalog, the residency ledger, the output cache and the budget."""
 
@@ -189,7 +207,11 @@ class Engine:
     # -- planning
     def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:
         """Validate, estimate and plan `prompt` (API format). Raises ValidationFailed or planner.PlanError."""
-        check = validate(prompt, self.nodes, self.folders)
+        folders = self.folders
+        if self.catalog.allow_builtin:  # planning without weights: a named model file is taken as present
+            folders = _AssumedFiles(*(getattr(self.folders, f) for f in ("models", "input", "output", "temp")),
+                                    assumed=_model_names(prompt))
+        check = validate(prompt, self.nodes, folders)
         if not check.ok:
             raise ValidationFailed(check.response())
         prompt = {n: check.prompt[n] for n in check.dag.nodes}
@@ -245,7 +267,9 @@ class Engine:
               extra_pnginfo: dict | None, events: Events) -> None:
         step = ps.step
         if isinstance(step, planner.Load):
-            self.ledger.load(step.model, step.source)
+            if step.pin:
+                self.ledger.pin(step.model)
+            self.ledger.load(step.model, "pinned" if step.pin else step.source)
             result.loads += 1
             events("vg_step", {"step": i, "kind": "load", "model": step.model, "source": step.source})
         elif isinstance(step, planner.Unload):
@@ -303,14 +327,15 @@ class Engine:
         except InterruptedRun:
             raise
         except Exception as e:
-            shown = {k: v for k, v in inputs.items() if isinstance(v, int | float | str | bool)}
+            shown = {k: [v] for k, v in inputs.items() if isinstance(v, int | float | str | bool)}  # as ComfyUI
             hint = ""
             if isinstance(e, torch.OutOfMemoryError):
                 hint = (f"; the plan predicted {predicted / 2**30:.2f} GiB for this node within a "
                         f"{self.budget.gpu / 2**30:.2f} GiB budget, so its estimate is wrong: please report it, "
                         "and meanwhile lower the size or pass a smaller --vram")
-            raise NodeExecutionError(node, class_type, f"{type(e).__name__}: {e}{hint}", type(e).__name__,
-                                     traceback.format_exception(e), shown) from e
+            executed = [n for n in values if isinstance(n, str)]  # nodes done (cached or run), as ComfyUI lists them
+            raise NodeExecutionError(node, class_type, f"{e}{hint}", _type_name(type(e)),
+                                     traceback.format_exception(e), shown, self._pid, executed) from e
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0

@@ -14,21 +14,22 @@ import math
 from .types import CondInfo, LatentInfo, ModelInfo, Option
 
 GiB = 2**30
-MARGIN = 1.03
+MARGIN = 1.04
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-# Fitted on the H200 (bench/calibrate.py, bf16, SDPA, klein-4B shapes); the JSON is bench/results/calibrate.json.
-# Transformer, one sampling step: bytes per (batch * token * hidden * itemsize), plus a fixed part per
-# (hidden * itemsize) for the time embedding and the modulation vectors.
-DIT_PER_TOKEN = 20.0
-DIT_FIXED = 12_000.0
-# Qwen3 encoder, 512 tokens: bytes per (batch * token * hidden * itemsize)
-TE_PER_TOKEN = 24.0
-# VAE decoder: bytes per (batch * output pixel * channels[0] * itemsize); encoder per input pixel
-VAE_DECODE_PER_PIXEL = 9.6
-VAE_ENCODE_PER_PIXEL = 7.0
-# Tiled decode: tiles of TILE latent cells with OVERLAP cells on each side
-TILE, TILE_OVERLAP = 64, 8
+# Fitted on the H200 by bench/plan_matrix.py --calibrate (bench/results/calibrate.json: bf16, SDPA,
+# klein-4B shapes, 256² to 2048²); each fit is within 0.7 % of every measured point.
+# Transformer, one sampling step, per image in the batch: (DIT_PER_TOKEN * tokens + DIT_FIXED) * hidden * itemsize
+DIT_PER_TOKEN = 21.17
+DIT_FIXED = 1431.0
+# Qwen3 encoder: bytes per (batch * token * hidden * itemsize), 512 tokens
+TE_PER_TOKEN = 17.1
+# VAE: bytes per (pixel * channels[0] * itemsize) plus a fixed part; decode per output pixel, encode per input pixel
+VAE_DECODE_PER_PIXEL, VAE_DECODE_FIXED = 9.512, 1.6e6
+VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.07, 0.75e6
+# Tiled decode: tiles of TILE latent cells with TILE_OVERLAP cells on each side; the fp32 canvas and its
+# blend weights cost TILED_CANVAS bytes per output pixel
+TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 19.0
 
 # Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes.
 DIT_SECONDS_PER_TOKEN_STEP = 0.083 / 4608  # one step at 1024² (4096 image + 512 text tokens)
@@ -37,6 +38,15 @@ VAE_DECODE_SECONDS_PER_MPIXEL = 0.086
 VAE_ENCODE_SECONDS_PER_MPIXEL = 0.05
 CPU_DECODE_SECONDS_PER_MPIXEL = 134.0  # the C engine's CPU fallback at 1024² that started this project
 TILED_SLOWDOWN = 1.6
+
+
+def tile_spans(n: int) -> list[tuple[int, int, int]]:
+    """(core start, span start, span end) of the tiles along one latent side of n cells."""
+    return [(a, max(0, a - TILE_OVERLAP), min(n, a + TILE + TILE_OVERLAP)) for a in range(0, n, TILE)]
+
+
+def largest_tile(n: int) -> int:
+    return max(b - a for _, a, b in tile_spans(n))
 
 
 def _margin(n: float) -> int:
@@ -63,7 +73,7 @@ def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch
     item = _itemsize(model.dtype)
     tokens = sampler_tokens(latent, positive)
     batch = latent.batch * cfg_batch
-    act = batch * tokens * hidden * item * DIT_PER_TOKEN + DIT_FIXED * hidden * item
+    act = batch * (DIT_PER_TOKEN * tokens + DIT_FIXED) * hidden * item
     seconds = DIT_SECONDS_PER_TOKEN_STEP * tokens * batch * steps * _param_scale(model)
     return Option("gpu", (model.key,), _margin(act), seconds)
 
@@ -82,10 +92,11 @@ def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Option, ...]:
     pixels = latent.batch * latent.height * latent.width * 256
     per_pixel = _decoder_width(model) * item * VAE_DECODE_PER_PIXEL
     mpix = pixels / 1e6
-    options = [Option("gpu", (model.key,), _margin(pixels * per_pixel), VAE_DECODE_SECONDS_PER_MPIXEL * mpix)]
+    options = [Option("gpu", (model.key,), _margin(pixels * per_pixel + VAE_DECODE_FIXED),
+                      VAE_DECODE_SECONDS_PER_MPIXEL * mpix)]
     if latent.height > TILE or latent.width > TILE:
-        side = (TILE + 2 * TILE_OVERLAP) * 16
-        tile_act = side * side * per_pixel + pixels * 3 * 4  # one tile's peak + the fp32 output canvas
+        tile = latent.batch * largest_tile(latent.height) * largest_tile(latent.width) * 256
+        tile_act = tile * per_pixel + VAE_DECODE_FIXED + pixels * TILED_CANVAS
         options.append(Option("tiled", (model.key,), _margin(tile_act),
                               VAE_DECODE_SECONDS_PER_MPIXEL * mpix * TILED_SLOWDOWN,
                               note=f"tiled decode ({TILE * 16}px tiles)"))
@@ -97,5 +108,5 @@ def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Option, ...]:
 def vae_encode(model: ModelInfo, batch: int, height: int, width: int) -> Option:
     item = _itemsize(model.dtype)
     pixels = batch * height * width
-    act = pixels * _decoder_width(model) * item * VAE_ENCODE_PER_PIXEL
+    act = pixels * _decoder_width(model) * item * VAE_ENCODE_PER_PIXEL + VAE_ENCODE_FIXED
     return Option("gpu", (model.key,), _margin(act), VAE_ENCODE_SECONDS_PER_MPIXEL * pixels / 1e6)

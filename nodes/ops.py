@@ -17,7 +17,7 @@ from PIL import Image
 from ..models.qwen3 import PromptTokenizer, Qwen3Encoder, encode_prompts
 from ..models.sampling import pack_references, sample
 from ..models.vae import Flux2VAE
-from .estimates import TILE, TILE_OVERLAP
+from .estimates import TILE_OVERLAP, tile_spans
 
 Progress = Callable[[int, int], None]
 
@@ -91,11 +91,8 @@ def _decode_tiled(vae: Flux2VAE, samples: torch.Tensor) -> torch.Tensor:
     b, _, h, w = samples.shape
     out = torch.zeros(b, 3, h * 16, w * 16, device=dev)
     weight = torch.zeros(1, 1, h * 16, w * 16, device=dev)
-    step = TILE
-    for y0 in range(0, h, step):
-        for x0 in range(0, w, step):
-            ya, yb = max(0, y0 - TILE_OVERLAP), min(h, y0 + step + TILE_OVERLAP)
-            xa, xb = max(0, x0 - TILE_OVERLAP), min(w, x0 + step + TILE_OVERLAP)
+    for _, ya, yb in tile_spans(h):
+        for _, xa, xb in tile_spans(w):
             tile = vae.decode(samples[:, :, ya:yb, xa:xb].to(dev)).float()
             wy = _ramp((yb - ya) * 16, TILE_OVERLAP * 16, ya == 0, yb == h).to(dev)
             wx = _ramp((xb - xa) * 16, TILE_OVERLAP * 16, xa == 0, xb == w).to(dev)

@@ -168,41 +168,48 @@ def test_base_model_cfg_matches_diffusers(refs, ckpts):
     assert rel_l2(_unit(got), want) < 1e-4
 
 
-def test_cli_writes_pngs(ckpts, tmp_path, capsys):
+def test_cli_writes_pngs(refs, ckpts, tmp_path, capsys):
+    """`vramgraph generate` runs the shipped workflows through the engine; the PNG is diffusers' picture."""
     out = tmp_path / "t2i.png"
-    assert cli(["generate", str(ckpts["comfy"]), "--prompt", "a boat", "--width", str(W), "--height", str(H),
-                "--seed", "5", "--dtype", "fp32", "--out", str(out)]) == 0
+    assert cli(["generate", "--models", str(ckpts["comfy"]), "-p", "a boat", "-W", str(W), "-H", str(H),
+                "-S", "5", "--dtype", "fp32", "-o", str(out)]) == 0
     img = Image.open(out)
     assert img.size == (W, H) and img.mode == "RGB"
-    refs = []
+    assert json.loads(img.text["prompt"])["4"]["inputs"]["text"] == "a boat" and img.text["seed"] == "5"
+    want = _pipe(refs)(prompt="a boat", height=H, width=W, num_inference_steps=4, output_type="pt",
+                       latents=noise(5, 1, H // 16, W // 16)).images[0]
+    want = np.floor(want.permute(1, 2, 0).clamp(0, 1).numpy() * 255)  # ComfyUI's SaveImage truncates
+    assert np.abs(np.asarray(img).astype(np.float64) - want).max() <= 1
+    ref_args = []
     for i, im in enumerate(_ref_images()):
-        refs += ["--ref", str(tmp_path / f"ref{i}.png")]
+        ref_args += ["-i", str(tmp_path / f"ref{i}.png")]
         im.save(tmp_path / f"ref{i}.png")
     edit = tmp_path / "edit.png"
-    assert cli(["generate", str(ckpts["hf"]), "--prompt", "a boat", "--width", str(W), "--height", str(H),
-                "--seed", "5", "--out", str(edit), *refs]) == 0
+    assert cli(["generate", "--checkpoint", str(ckpts["hf"]), "-p", "a boat", "-W", str(W), "-H", str(H),
+                "-S", "5", "-o", str(edit), *ref_args]) == 0
     assert Image.open(edit).size == (W, H)
     assert not np.array_equal(np.asarray(Image.open(edit)), np.asarray(img))
     assert cli(["inspect", str(ckpts["comfy"])]) == 0
     assert '"variant": "custom"' in capsys.readouterr().out
-    assert cli(["generate", str(tmp_path / "nowhere"), "--prompt", "x", "--out", str(tmp_path / "n.png")]) == 2
-    assert "no such file or folder" in capsys.readouterr().err
+    assert cli(["generate", "--models", str(tmp_path / "nowhere"), "-p", "x", "-o", str(tmp_path / "n.png")]) == 1
+    assert "not in list" in capsys.readouterr().err
 
 
 def test_demo_runs_the_whole_path_on_tiny_models(tmp_path, capsys):
     assert cli(["demo", "--out", str(tmp_path / "demo")]) == 0
     printed = capsys.readouterr().out.split()
-    assert printed == [str(tmp_path / "demo" / "text_to_image.png"), str(tmp_path / "demo" / "edit.png")]
+    out = tmp_path / "demo" / "output" / "vramgraph"
+    assert printed == [str(out / "text_to_image_00001_.png"), str(out / "edit_00001_.png")]
     a, b = (np.asarray(Image.open(p)) for p in printed)
     assert a.shape == b.shape == (256, 256, 3) and a.std() > 1 and not np.array_equal(a, b)
-    spec = loading.inspect(tmp_path / "demo" / "models")
-    assert spec.transformer.layout == "comfyui" and spec.text_encoder.config.n_built == 27
+    spec = loading.inspect(tmp_path / "demo" / "models" / "diffusion_models" / "flux-2-klein-4b.safetensors")
+    assert spec.transformer.layout == "file"
 
 
 def test_cli_refuses_a_missing_or_broken_reference(ckpts, tmp_path, capsys):
     (tmp_path / "broken.png").write_bytes(b"no image here")
     for ref in (tmp_path / "absent.png", tmp_path / "broken.png"):
-        assert cli(["generate", str(ckpts["comfy"]), "--prompt", "x", "--ref", str(ref), "--width", "64", "--height",
-                    "64", "--out", str(tmp_path / "o.png")]) == 2
+        assert cli(["generate", "--models", str(ckpts["comfy"]), "-p", "x", "-i", str(ref), "-W", "64", "-H", "64",
+                    "-o", str(tmp_path / "o.png")]) in (1, 2)
         assert str(ref) in capsys.readouterr().err
     assert not (tmp_path / "o.png").exists()

@@ -238,6 +238,40 @@ def calibrate(engine: Engine) -> dict:
     return out
 
 
+def summarize(report: dict) -> dict:
+    """The acceptance numbers, as ratios measured in this run."""
+    cells = [c for c in report["ours"] if "rejected" not in c]
+    total = {(c["card_gib"], c["side"]): sum(i["seconds"] for i in c["images"]) for c in cells}
+    unc = {side: t for (card, side), t in total.items() if card is None}
+    bw = report["pinned_h2d_GBps"] * 1e9
+    reloads = [m["seconds"] / (m["gib"] * GiB / bw) for c in cells for i in c["images"] for m in i["moves"]
+               if m["kind"] == "load" and m["model"] == "transformer" and m["source"] == "pinned"]
+    ratios = [n["ratio"] for c in cells for i in c["images"] for n in i["nodes"] if n["ratio"]]
+    diff = {(c["card_gib"], c["side"]): sum(i["seconds"] for i in c["images"]) for c in report["diffusers_offload"]
+            if all("seconds" in i for i in c["images"])}
+    c12 = next(c for c in cells if c["card_gib"] == 12 and c["side"] == 1024)
+    c80 = next(c for c in cells if c["card_gib"] == 80 and c["side"] == 1024)
+    return {
+        "time_vs_uncapped": {f"{card}GiB/{side}": round(t / unc[side], 3) for (card, side), t in total.items()
+                             if card is not None},
+        "cap12_1024": {"ratio_vs_uncapped": round(total[(12, 1024)] / unc[1024], 3),
+                       "decoded_on_gpu": [i["decode"] for i in c12["images"]],
+                       "encoder_on_gpu": [i["encoder_on_gpu"] for i in c12["images"]],
+                       "diffusers_offload_over_ours": round(diff[(12, 1024)] / total[(12, 1024)], 2)
+                       if (12, 1024) in diff else None},
+        "diffusers_offload_over_ours_1024": {f"{card}GiB": round(diff[(card, 1024)] / total[(card, 1024)], 2)
+                                             for (card, side) in diff if (card, side) in total and side == 1024},
+        "cap80_second_image_loads": [i["loads"] for i in c80["images"]][1],
+        "plan_ms_max": max(i["plan_ms"] for c in cells for i in c["images"]),
+        "estimate_over_measured": {"min": min(ratios), "max": max(ratios), "nodes": len(ratios)},
+        "transformer_reload_over_bytes_per_pinned_bw": {"min": round(min(reloads), 3),
+                                                        "max": round(max(reloads), 3), "n": len(reloads)},
+        "errors": [(c["card_gib"], c["side"], i["error"]) for c in report["ours"] for i in c["images"]
+                   if "error" in i],
+        "rejected_before_running": [(c["card_gib"], c["side"]) for c in report["ours"] if "rejected" in c],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -245,7 +279,13 @@ def main() -> None:
     ap.add_argument("--sizes", default="512,1024,1536,2048")
     ap.add_argument("--cards", default="0,80,24,16,12,10,8")
     ap.add_argument("--diffusers-sizes", default="1024")
+    ap.add_argument("--summarize", action="store_true", help="only (re)compute the summary of an existing OUT.json")
     a = ap.parse_args()
+    if a.summarize:
+        report = json.loads(Path(a.out).read_text())
+        report["summary"] = summarize(report)
+        Path(a.out).write_text(json.dumps(report, indent=1))
+        return
     t0 = time.perf_counter()
     write_models(ROOT)
     folders = Folders(models=(ROOT / "models",), input=ROOT / "input", output=ROOT / "output", temp=ROOT / "temp")
@@ -271,6 +311,7 @@ def main() -> None:
     torch.cuda.set_per_process_memory_fraction(1.0)
     report["diffusers_offload"] = diffusers_cells([int(c) for c in a.cards.split(",")],
                                                   [int(s) for s in a.diffusers_sizes.split(",")])
+    report["summary"] = summarize(report)
     Path(a.out).write_text(json.dumps(report, indent=1))
 
 

@@ -15,6 +15,7 @@ import torch
 
 from ..models.sampling import sigmas as flux2_sigmas
 from . import estimates, ops
+from .comfy import context as comfy_context
 from .files import file_list
 from .types import (
     BOOLEAN,
@@ -71,6 +72,7 @@ class UNETLoader:
         return Cost((env.model_info("transformer", unet_name),))
 
     def load_unet(self, unet_name: str, weight_dtype: str = "default", vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         return (ModelHandle(vg.model_info("transformer", unet_name)),)
 
 
@@ -89,6 +91,7 @@ class CLIPLoader:
         return Cost((env.model_info("text_encoder", clip_name),))
 
     def load_clip(self, clip_name: str, type: str = "flux2", device: str = "default", vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         info = vg.model_info("text_encoder", clip_name)
         return (ModelHandle(info, vg.tokenizer_for(info)),)
 
@@ -107,6 +110,7 @@ class VAELoader:
         return Cost((env.model_info("vae", vae_name),))
 
     def load_vae(self, vae_name: str, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         return (ModelHandle(vg.model_info("vae", vae_name)),)
 
 
@@ -126,6 +130,7 @@ class CLIPTextEncode:
                     host_bytes=TEXT_TOKENS * _context_dim(clip) * 4)
 
     def encode(self, text: str, clip: ModelHandle, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text])
         return (conditioning(emb),)
 
@@ -286,6 +291,7 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
                                              for a, b in zip(neg_refs, refs, strict=False)):
             raise ValueError("the negative conditioning must carry the same reference latents as the positive "
                              "(apply the same ReferenceLatent nodes to both) when cfg != 1")
+    sigmas = torch.tensor(sigmas, dtype=torch.float32).tolist()  # float32 as ComfyUI's SIGMAS, whichever node made them
     out = ops.run_sampler(vg.module(model), noise.generate_noise(latent), latent["samples"], pos, neg, cfg,
                           sigmas, refs, progress=vg.progress)
     return {"samples": out}
@@ -310,6 +316,7 @@ class SamplerCustomAdvanced:
 
     def sample(self, noise: Noise, guider: Guider, sampler: Sampler, sigmas: torch.Tensor, latent_image: dict,
                vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         out = _sample(vg, guider.model, noise, latent_image, guider.positive, guider.negative, guider.cfg,
                       sigmas.tolist())
         # Euler's last step lands on sigma 0, where the output is the denoised prediction itself.
@@ -342,6 +349,7 @@ class KSampler:
 
     def sample(self, model: ModelHandle, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
                positive: list, negative: list, latent_image: dict, denoise: float = 1.0, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         h, w = latent_image["samples"].shape[2:]
         if denoise <= 0:
             return (latent_image,)
@@ -365,6 +373,7 @@ class VAEDecode:
         return Cost((image,), estimates.vae_decode(vae, samples), host_bytes=image_bytes(image))
 
     def decode(self, samples: dict, vae: ModelHandle, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         return (ops.vae_decode(vg.module(vae), samples["samples"], vg.variant),)
 
 
@@ -387,6 +396,7 @@ class VAEEncode:
         return Cost((LatentInfo(pixels.batch, h, w),), (estimates.vae_encode(vae, pixels.batch, h * 16, w * 16),))
 
     def encode(self, pixels: torch.Tensor, vae: ModelHandle, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         return ({"samples": ops.vae_encode(vg.module(vae), pixels)},)
 
 
@@ -406,6 +416,7 @@ class LoadImage:
         return Cost((info, info), host_bytes=image_bytes(info))
 
     def load_image(self, image: str, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         return ops.load_image(str(vg.resolve("input", image)))
 
 

@@ -17,6 +17,7 @@ import torch
 from PIL.PngImagePlugin import PngInfo
 
 from . import ops
+from .comfy import context as comfy_context
 from .types import IMAGE, STRING, Cost
 
 HIDDEN = {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO", "vg": "VG_CONTEXT"}
@@ -79,6 +80,7 @@ class SaveImage:
 
     def save_images(self, images: torch.Tensor, filename_prefix: str = "ComfyUI", prompt: Any = None,
                     extra_pnginfo: dict | None = None, vg: Any = None) -> dict:
+        vg = vg or comfy_context(self)
         root = vg.output_dir if self.KIND == "output" else vg.temp_dir
         results = save_images(images, root, filename_prefix, self.KIND, prompt, extra_pnginfo, vg.seed)
         return {"ui": {"images": results}}

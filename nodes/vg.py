@@ -10,6 +10,7 @@ from typing import Any
 
 from ..models.sampling import prepare_reference
 from . import core, ops
+from .comfy import context as comfy_context
 from .files import file_list
 from .output import PreviewImage, SaveImage
 from .types import (
@@ -52,6 +53,7 @@ class VGLoadCheckpoint:
         return Cost(tuple(env.checkpoint_infos(path)))
 
     def load(self, path: str, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         tr, te, vae = vg.checkpoint_infos(path)
         return (ModelHandle(tr), ModelHandle(te, vg.tokenizer_for(te)), ModelHandle(vae))
 
@@ -64,6 +66,7 @@ def _file_loader(name: str, kind: str, folder: str, io: str, doc: str) -> type:
         return Cost((env.model_info(kind, file),))
 
     def load(self: Any, file: str, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         info = vg.model_info(kind, file)
         return (ModelHandle(info, vg.tokenizer_for(info) if kind == "text_encoder" else None),)
 
@@ -128,6 +131,7 @@ class VGSampler:
 
     def sample(self, model: ModelHandle, positive: list, latent: dict, seed: int, steps: int, guidance: float,
                negative: list | None = None, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         h, w = latent["samples"].shape[2:]
         sig = core.flux2_sigmas(steps, h * w)
         return (core._sample(vg, model, Noise(seed), latent, positive, negative, guidance, sig),)
@@ -162,6 +166,7 @@ class VGReferenceImage:
                     (core.estimates.vae_encode(vae, 1, h, w),))
 
     def reference(self, conditioning: list, vae: ModelHandle, image: Any, vg: Any = None) -> tuple:
+        vg = vg or comfy_context(self)
         module = vg.module(vae)
         for pil in ops.to_pil(image):
             pixels = prepare_reference(pil)

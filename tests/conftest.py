@@ -1,6 +1,9 @@
-"""Test configuration: tests marked `gpu` need CUDA and are skipped cleanly without it."""
+"""Test configuration: tests marked `gpu` need CUDA and are skipped cleanly without it; shared fixtures
+(tiny random-weight models, small input images) for the end-to-end tests."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,3 +16,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ------------------------------------------------------------------------------------ shared fixtures
+# Tiny random-weight models and small input images for the end-to-end tests (engine, CLI, ComfyUI templates).
+
+# File names the shipped workflows and ComfyUI's FLUX.2 [klein] templates reference, all served by the same tiny
+# models. The fp8 names hold tiny fp32 weights: the real fp8 files are refused by our loader, so these stand in
+# for them only to run the templates unchanged. ALT_TRANSFORMER is a second transformer file (a different model to
+# the engine: another path) with the same weights.
+ALT_TRANSFORMER = "flux-2-klein-4b-alt.safetensors"
+TINY_MODEL_NAMES = {
+    "transformer": ["flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors",
+                    "flux-2-klein-4b-fp8.safetensors", "flux-2-klein-base-4b-fp8.safetensors", ALT_TRANSFORMER],
+    "text_encoder": "qwen_3_4b.safetensors",
+    "vae": ["flux2-vae.safetensors", "full_encoder_small_decoder.safetensors"],
+}
+# Input images: the shipped edit workflows' references and the images ComfyUI's edit templates load.
+INPUT_IMAGES = {"reference.png": (80, 64), "reference_2.png": (64, 96), "handbag_white.png": (80, 64),
+                "comfy_logo_blue.png": (64, 64), "robed_women.png": (64, 80), "pink_tone_chair.png": (64, 64)}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ComfyUI-style models/ folder (diffusion_models/, text_encoders/, vae/) of tiny models, read-only to tests."""
+    from vramgraph.demo import write_tiny_models
+
+    return write_tiny_models(tmp_path_factory.mktemp("tiny") / "models", names=TINY_MODEL_NAMES)
+
+
+@pytest.fixture(scope="session")
+def input_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An input folder with small random RGB PNGs under INPUT_IMAGES' names (width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("input")
+    rng = np.random.default_rng(0)
+    for name, (w, h) in INPUT_IMAGES.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / name)
+    return folder

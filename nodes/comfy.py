@@ -1,0 +1,246 @@
+"""Our nodes inside ComfyUI: the `vg` context built from ComfyUI's own services.
+
+ComfyUI passes no VG_CONTEXT hidden input (it does not know the type), so a node called with `vg=None`
+uses `context(node)`: a `ComfyContext` with the methods the nodes call on `vg`, backed by ComfyUI's
+`folder_paths` (files), `comfy.model_management` (device, memory, interruption) and
+`comfy.utils.ProgressBar` (the progress bar of the running node). Nothing here is imported by ComfyUI
+unless one of our nodes runs there, and nothing imports ComfyUI until then.
+
+Memory policy (cooperate with ComfyUI's model management instead of fighting it):
+- A model is read from its file into host RAM once and kept in a small per-process cache (the process
+  is ComfyUI's, which gives no other owner): at most `KEEP` models, least recently used dropped first.
+  The cache holds CPU weights only.
+- Before a node uses a model, the context asks ComfyUI to free the model's bytes plus ComfyUI's minimum
+  inference memory on its device (`model_management.free_memory`, as ComfyUI's own loader does), which
+  unloads ComfyUI's own models as needed; only then does the model move to the GPU.
+- When the node returns, every model it moved goes back to the CPU and `soft_empty_cache()` hands the
+  cached blocks back, so between nodes our nodes hold no GPU memory and ComfyUI can use all of it.
+  The release happens when the context is released: `release()`, `with`, or when it is dropped at the
+  node function's return (a finalizer; in CPython immediately). A context left alive by an exception's
+  traceback is released when the next one is made.
+The price: a model used by two nodes moves to the GPU twice, as ComfyUI's own models may. Our planner's
+residency decisions are not used inside ComfyUI, where ComfyUI owns the GPU. The decode runs whole
+("gpu"); ComfyUI's free_memory has made room for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models import loading
+from ..models.qwen3 import PromptTokenizer
+from .files import Folders
+from .types import ModelInfo
+from .values import ModelHandle
+
+log = logging.getLogger("vramgraph.comfy")
+KEEP = 3  # models kept in host RAM between nodes (the three parts of FLUX.2 [klein])
+FOLDERS = {"transformer": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
+LABELS = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "vae"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+GiB = 1 << 30
+
+
+def _mm() -> Any:
+    import comfy.model_management as mm  # type: ignore[import-not-found]
+
+    return mm
+
+
+def _folder_paths() -> Any:
+    import folder_paths  # type: ignore[import-not-found]
+
+    return folder_paths
+
+
+def comfy_folders() -> Folders:
+    """Our `Folders` from ComfyUI's folder_paths (model roots are the parents of its model folders)."""
+    fp = _folder_paths()
+    roots: list[Path] = []
+    for folder in FOLDERS.values():
+        for p in fp.get_folder_paths(folder):
+            parent = Path(p).parent
+            if parent not in roots:
+                roots.append(parent)
+    return Folders(models=tuple(roots), input=Path(fp.get_input_directory()), output=Path(fp.get_output_directory()),
+                   temp=Path(fp.get_temp_directory()))
+
+
+class ComfyRuntime:
+    """Per-process state of our nodes inside ComfyUI: model infos, CPU modules (LRU of KEEP), tokenizers."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self.keep = keep
+        self.lock = threading.RLock()
+        self.infos: dict[tuple, tuple[ModelInfo, Path | None]] = {}
+        self.modules: OrderedDict[str, torch.nn.Module] = OrderedDict()
+        self.tokenizers: dict[Path | None, PromptTokenizer] = {}
+        self.on_device: list[torch.nn.Module] = []  # moved to the GPU by the context of the running node
+
+    def info(self, kind: str, path: Path, dtype: str) -> tuple[ModelInfo, Path | None]:
+        """The model info of one component in a file or folder, and the tokenizer found beside it."""
+        stamp = (kind, str(path), path.stat().st_mtime_ns, dtype)
+        with self.lock:
+            if stamp not in self.infos:
+                spec = loading.inspect([path])
+                comp = getattr(spec, kind)
+                if comp is None:
+                    raise ValueError(f"{path.name} holds no {LABELS[kind]}; pick a file from {FOLDERS[kind]}/")
+                info = ModelInfo(f"{kind}:{path}:{dtype}", kind, LABELS[kind], comp.nbytes(DTYPES[dtype]),
+                                 comp.config, comp, dtype)
+                self.infos[stamp] = (info, spec.tokenizer)
+            return self.infos[stamp]
+
+    def module(self, info: ModelInfo) -> torch.nn.Module:
+        """The model's module with its weights in host RAM (read from the file on first use)."""
+        with self.lock:
+            if info.key in self.modules:
+                self.modules.move_to_end(info.key)
+                return self.modules[info.key]
+            log.info("vramgraph: reading %s (%.2f GiB) into RAM", info.label, info.nbytes / GiB)
+            module = loading.load(info.spec, dtype=DTYPES[info.dtype], device="cpu").requires_grad_(False).eval()
+            self.modules[info.key] = module
+            while len(self.modules) > self.keep:
+                self.modules.popitem(last=False)
+            return module
+
+    def tokenizer(self, path: Path | None) -> PromptTokenizer:
+        with self.lock:
+            if path not in self.tokenizers:
+                self.tokenizers[path] = PromptTokenizer.find(path)
+            return self.tokenizers[path]
+
+    def release(self, modules: list[torch.nn.Module] | None = None) -> None:
+        """Move modules a node put on the GPU back to the CPU and give the cached blocks back to ComfyUI."""
+        with self.lock:
+            moved = self.on_device if modules is None else modules
+            if not moved:
+                return
+            for m in moved:
+                m.to("cpu")
+            moved.clear()
+            _mm().soft_empty_cache()
+
+
+@cache
+def runtime() -> ComfyRuntime:
+    """The one runtime of this ComfyUI process."""
+    return ComfyRuntime()
+
+
+def _dtype(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+class ComfyContext:
+    """What our nodes ask of `vg`, answered by ComfyUI (see the module docstring for the memory policy)."""
+
+    variant = "gpu"
+
+    def __init__(self, node: Any = None, rt: ComfyRuntime | None = None) -> None:
+        self.rt = rt or runtime()
+        self.rt.release()  # a previous node's models, if its context outlived it
+        self.name = type(node).__name__ if node is not None else "node"
+        self.device = _mm().get_torch_device()
+        self.dtype = _dtype(self.device)
+        self.seed: int | None = None  # ComfyUI tells nodes nothing of their ancestors
+        self._moved: list[torch.nn.Module] = []
+        self._bar: Any = None
+        self._finalizer = weakref.finalize(self, self.rt.release, self._moved)
+
+    # -- models
+    def module(self, handle: ModelHandle) -> torch.nn.Module:
+        """The model on ComfyUI's device, after asking ComfyUI to make room for it and the node's work."""
+        module = self.rt.module(handle.info)
+        mm = _mm()
+        room = getattr(mm, "minimum_inference_memory", lambda: GiB)()
+        mm.free_memory(handle.info.nbytes + room, self.device)  # ComfyUI unloads its own models as needed
+        module.to(self.device)
+        with self.rt.lock:
+            if not any(m is module for m in self._moved):
+                self._moved.append(module)
+            self.rt.on_device = self._moved
+        return module
+
+    def tokenizer(self, handle: ModelHandle) -> PromptTokenizer:
+        return self.rt.tokenizer(handle.tokenizer)
+
+    def model_info(self, kind: str, name: str, dtype: str = "default") -> ModelInfo:
+        return self.rt.info(kind, self.resolve(FOLDERS[kind], name), self.dtype)[0]
+
+    def checkpoint_infos(self, path: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
+        p = Path(path).expanduser()
+        if not p.is_absolute() and not p.exists():
+            roots = [Path(getattr(_folder_paths(), "models_dir", "models")),
+                     *map(Path, _folder_paths().get_folder_paths("diffusion_models"))]
+            p = next((r / path for r in roots if (r / path).exists()), p)
+        if not p.exists():
+            raise FileNotFoundError(f"'{path}' is neither a folder nor under ComfyUI's models folder")
+        return tuple(self.rt.info(k, p, self.dtype)[0] for k in FOLDERS)  # type: ignore[return-value]
+
+    def tokenizer_for(self, info: ModelInfo) -> Path | None:
+        with self.rt.lock:
+            return next((tok for i, tok in self.rt.infos.values() if i.key == info.key), None)
+
+    # -- files
+    def resolve(self, folder: str, name: str) -> Path:
+        fp = _folder_paths()
+        if folder == "input":
+            root = Path(fp.get_input_directory()).resolve()
+            path = (root / name).resolve()
+            if path.is_relative_to(root) and path.is_file():
+                return path
+        else:
+            found = fp.get_full_path(folder, name)
+            if found is not None and Path(found).is_file():
+                return Path(found)
+        raise FileNotFoundError(f"'{name}' is not in ComfyUI's {folder} folder; put the file there")
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(_folder_paths().get_output_directory())
+
+    @property
+    def temp_dir(self) -> Path:
+        return Path(_folder_paths().get_temp_directory())
+
+    # -- progress
+    def progress(self, value: int, total: int) -> None:
+        self.check_interrupted()
+        if self._bar is None:
+            import comfy.utils  # type: ignore[import-not-found]
+
+            self._bar = comfy.utils.ProgressBar(total)
+        self._bar.update_absolute(value, total)
+
+    def check_interrupted(self) -> None:
+        _mm().throw_exception_if_processing_interrupted()
+
+    # -- lifetime
+    def release(self) -> None:
+        """Give the GPU back now (also done when the context is dropped)."""
+        self._finalizer()
+
+    def __enter__(self) -> ComfyContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def context(node: Any = None) -> ComfyContext:
+    """The `vg` of a node that ComfyUI runs (it passes none)."""
+    return ComfyContext(node)
+
+
+__all__ = ["KEEP", "ComfyContext", "ComfyRuntime", "comfy_folders", "context", "runtime"]

@@ -10,6 +10,7 @@ it; no later node runs, so no PNG is written from partial work, and the next run
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ from ..nodes import ENGINE_NODES
 from ..nodes.files import MODEL_EXTENSIONS, Folders
 from ..nodes.types import ModelInfo
 from ..nodes.values import ModelHandle
-from . import estimate, planner
+from . import estimate, planner, queue
 from .budget import Budget, budget_for
 from .errors import InterruptedRun, NodeExecutionError, ValidationFailed, _type_name
 from .ledger import Ledger
@@ -52,6 +53,7 @@ class Prepared:
     signatures: Mapping[str, str]
     cached: tuple[str, ...]
     plan: planner.Plan
+    hidden: Mapping[str, tuple[dict, dict | None]] = field(default_factory=dict)  # queued: node -> own prompt, pnginfo
 
 
 @dataclass
@@ -131,6 +133,20 @@ class NodeContext:
         self.engine.check_interrupted(self.node, self.class_type)
 
     @property
+    def preview(self) -> Callable[[torch.Tensor, int, int], None] | None:
+        """Step previews (when the engine's `previews` is on): the denoised latent as a small RGB picture."""
+        if not self.engine.previews:
+            return None
+
+        def send(latent: torch.Tensor, step: int, steps: int) -> None:
+            from ..models.preview import preview_images
+
+            for i, image in enumerate(preview_images(latent)):
+                self._events("preview", {"node": self.node, "step": step, "max": steps, "index": i, "image": image})
+
+        return send
+
+    @property
     def output_dir(self) -> Path:
         return self.engine.folders.output
 
@@ -166,8 +182,9 @@ class Engine:
 
     def __init__(self, folders: Folders, *, device: str | None = None, dtype: str | None = None,
                  budget: Budget | None = None, nodes: Mapping[str, type] = ENGINE_NODES,
-                 cost: planner.CostModel | None = None, allow_builtin: bool = False) -> None:
+                 cost: planner.CostModel | None = None, allow_builtin: bool = False, previews: bool = False) -> None:
         self.folders = folders
+        self.previews = previews  # step previews as "preview" events
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or ("bf16" if self.device.type == "cuda" else "fp32")
         self.nodes = dict(nodes)
@@ -258,6 +275,27 @@ class Engine:
             events("execution_success", {"prompt_id": pid})
             return result
 
+    def run_queue(self, prompts: list[dict], *, extra_pnginfo: list[dict | None] | None = None,
+                  events: Events = _quiet) -> tuple[RunResult, list[list[Path]]]:
+        """Several prompts planned and run as one graph (see graph/queue.py); returns the run and each
+        prompt's images. Each saved PNG carries its own prompt, not the merged one."""
+        extras = extra_pnginfo or [None] * len(prompts)
+        merged = queue.merge(prompts, frozenset(k for k, c in self.nodes.items() if getattr(c, "OUTPUT_NODE", False)))
+        prep = self.prepare(merged.prompt)
+        hidden = {new: (prompts[i], extras[i]) for i, rename in enumerate(merged.members) for new in rename.values()
+                  if prep.prompt.get(new, {}).get("class_type") in self.nodes
+                  and getattr(self.nodes[prep.prompt[new]["class_type"]], "OUTPUT_NODE", False)}
+        result = self.run(dataclasses.replace(prep, hidden=hidden), events=events)
+        images = []
+        for rename in merged.members:
+            mine = []
+            for new in dict.fromkeys(rename.values()):
+                for im in (result.ui.get(new) or {}).get("images", []):
+                    root = self.folders.output if im.get("type") == "output" else self.folders.temp
+                    mine.append(root / im.get("subfolder", "") / im["filename"])
+            images.append(mine)
+        return result, images
+
     def _release(self) -> None:
         """Return the activations' cached blocks, so the next encode and sampling find the GPU as planned."""
         if self.device.type == "cuda":
@@ -311,7 +349,8 @@ class Engine:
         events("executing", {"node": node, "display_node": node, "prompt_id": self._pid})
         inputs = self._inputs(node, prep, values)
         ctx = NodeContext(self, node, class_type, variant, self._seed(node, prep, values), events)
-        hidden = {"PROMPT": prep.prompt, "EXTRA_PNGINFO": extra_pnginfo, "UNIQUE_ID": node, "VG_CONTEXT": ctx}
+        own_prompt, own_extra = prep.hidden.get(node, (prep.prompt, extra_pnginfo))
+        hidden = {"PROMPT": own_prompt, "EXTRA_PNGINFO": own_extra, "UNIQUE_ID": node, "VG_CONTEXT": ctx}
         for name, kind in cls.INPUT_TYPES(folders=self.folders).get("hidden", {}).items():
             if kind in hidden:
                 inputs[name] = hidden[kind]

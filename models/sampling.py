@@ -135,14 +135,16 @@ Progress = Callable[[int, int], None]
 @torch.no_grad()
 def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor, sigma_list: Sequence[float], *,
            negative: torch.Tensor | None = None, guidance: float = 1.0, references: References | None = None,
-           progress: Progress | None = None) -> torch.Tensor:
+           progress: Progress | None = None,
+           preview: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
     """Euler integration of the flow from sigma_list[0] to sigma_list[-1].
 
     latent: (B, 128, h, w) noise (times sigma_list[0]) in the normalised space, any device;
     context: (B, T, D) prompt embeddings; negative: (B, T, D) or None. With `negative` and
     guidance != 1, the velocity is u + guidance * (c - u) (classifier-free guidance, base models);
     conditional and unconditional passes run as one batch. Returns the final latent, fp32, on the
-    model's device.
+    model's device. `preview(x0, step, steps)`, if given, receives each step's denoised estimate
+    x - sigma * v as a (B, 128, h, w) latent on the model's device.
     """
     device = model.img_in.weight.device
     h, w = latent.shape[2:]
@@ -174,6 +176,8 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
         if cfg_on:
             c, u = v.chunk(2)
             v = u + guidance * (c - u)
+        if preview is not None:
+            preview(unpack(x - s * v, h, w), i + 1, steps)
         x = x + (s_next - s) * v
         if progress is not None:
             progress(i + 1, steps)

@@ -293,7 +293,7 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
                              "(apply the same ReferenceLatent nodes to both) when cfg != 1")
     sigmas = torch.tensor(sigmas, dtype=torch.float32).tolist()  # float32 as ComfyUI's SIGMAS, whichever node made them
     out = ops.run_sampler(vg.module(model), noise.generate_noise(latent), latent["samples"], pos, neg, cfg,
-                          sigmas, refs, progress=vg.progress)
+                          sigmas, refs, progress=vg.progress, preview=getattr(vg, "preview", None))
     return {"samples": out}
 
 

@@ -74,6 +74,7 @@ def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch
     tokens = sampler_tokens(latent, positive)
     batch = latent.batch * cfg_batch
     act = batch * (DIT_PER_TOKEN * tokens + DIT_FIXED) * hidden * item
+    act += 2 * latent.batch * latent.height * latent.width * latent.channels * 4  # step preview: x0 and its RGB
     seconds = DIT_SECONDS_PER_TOKEN_STEP * tokens * batch * steps * _param_scale(model)
     return Option("gpu", (model.key,), _margin(act), seconds)
 

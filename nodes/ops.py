@@ -34,7 +34,8 @@ def encode_text(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[s
 @torch.no_grad()
 def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tensor, positive: torch.Tensor,
                 negative: torch.Tensor | None, cfg: float, sigmas: list[float], references: list[torch.Tensor],
-                progress: Progress | None = None) -> torch.Tensor:
+                progress: Progress | None = None,
+                preview: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
     """Euler sampling as ComfyUI's SamplerCustomAdvanced does it; returns the final latent on the CPU.
 
     The start is sigma0 * noise + (1 - sigma0) * latent (ComfyUI's flow-model noise scaling), exactly
@@ -48,7 +49,8 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
     pos = _batched(positive, batch, "positive")
     neg = _batched(negative, batch, "negative") if negative is not None and cfg != 1.0 else None
     refs = pack_references([r[:1] for r in references]) if references else None
-    out = sample(model, start, pos, list(sigmas), negative=neg, guidance=cfg, references=refs, progress=progress)
+    out = sample(model, start, pos, list(sigmas), negative=neg, guidance=cfg, references=refs, progress=progress,
+                 preview=preview)
     return out.cpu()
 
 

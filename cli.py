@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vramgraph", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run a saved workflow (ComfyUI API or UI format)")
-    r.add_argument("workflow")
+    r.add_argument("workflow", nargs="+", help="one workflow, or several: they are planned as one queue")
+    r.add_argument("--preview", default=None, metavar="DIR", help="write a preview PNG of every sampling step")
     r.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE",
                    help="override an input; NODE is the id or the title (repeatable)")
     r.add_argument("--report", default=None, help="write the run report (plan, per-node peaks) as JSON")
@@ -63,7 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="host RAM budget (default: available memory)")
     _engine_args(p, outputs=False)
     g = sub.add_parser("generate", help="one-shot text to image or edit with the shipped workflows")
-    g.add_argument("-p", "--prompt", required=True)
+    g.add_argument("-p", "--prompt", action="append", default=[],
+                   help="the prompt; repeat it to queue several (planned together: one load per model)")
+    g.add_argument("--prompts", default=None, metavar="FILE", help="a file of prompts, one per line, queued")
+    g.add_argument("--preview", default=None, metavar="DIR", help="write a preview PNG of every sampling step")
     g.add_argument("-n", "--negative", default=None, help="negative prompt (turns on guidance 4 if not given)")
     g.add_argument("-W", "--width", type=int, default=1024)
     g.add_argument("-H", "--height", type=int, default=1024)
@@ -71,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=None, help="default 4 (distilled) or 50 (with --negative)")
     g.add_argument("--guidance", type=float, default=None)
     g.add_argument("-i", "--image", action="append", default=[], help="reference image for editing (repeatable)")
-    g.add_argument("-o", "--out", default="vramgraph.png", help="PNG path")
+    g.add_argument("-o", "--out", default="vramgraph.png", help="PNG path (-1, -2, ... added for several prompts)")
     g.add_argument("--checkpoint", default=None,
                    help="an HF model folder or a folder of the three files, instead of --models file names")
     g.add_argument("--transformer", default="flux-2-klein-4b.safetensors")
@@ -86,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--demo", action="store_true",
                    help="serve tiny random-weight models (written to ./vramgraph-demo/models) instead of --models")
     _engine_args(s)
+    ss = sub.add_parser("session", help="interactive: prompt lines in, images out, models kept (also: no command)")
+    ss.add_argument("--checkpoint", default=None)
+    ss.add_argument("-o", "--out-dir", default="output", help="where images are saved (!save DIR changes it)")
+    _engine_args(ss, outputs=False)
     d = sub.add_parser("demo", help="tiny random-weight models + the shipped workflows, end to end (any machine)")
     d.add_argument("--out", default="vramgraph-demo", help="folder for the tiny models, inputs and PNGs")
     return ap
@@ -157,10 +165,10 @@ def apply_sets(prompt: dict, sets: list[str]) -> dict:
     return prompt
 
 
-def _load(args: argparse.Namespace) -> Any:
+def _load(args: argparse.Namespace, workflow: str | None = None) -> Any:
     from .graph.workflow import load_workflow
 
-    path = Path(args.workflow)
+    path = Path(workflow or (args.workflow[0] if isinstance(args.workflow, list) else args.workflow))
     if not path.exists() and (WORKFLOWS / path.name).exists():
         path = WORKFLOWS / path.name
     wf = load_workflow(path)
@@ -173,8 +181,9 @@ def _load(args: argparse.Namespace) -> Any:
 class _Bars:
     """tqdm progress for the node that is running."""
 
-    def __init__(self, prompt: dict) -> None:
+    def __init__(self, prompt: dict, preview_dir: str | None = None) -> None:
         self.prompt, self.bar = prompt, None
+        self.preview_dir = Path(preview_dir) if preview_dir else None
 
     def __call__(self, kind: str, data: dict) -> None:
         from tqdm import tqdm
@@ -190,15 +199,33 @@ class _Bars:
             self.bar = None
         elif kind == "vg_step":
             log.info("  %s %s", data["kind"], data["model"].split(":")[0])
+        elif kind == "preview" and self.preview_dir is not None:
+            self.preview_dir.mkdir(parents=True, exist_ok=True)
+            name = f"{data['node'].replace(':', '_')}_{data['index']}_step{data['step']:03}.png"
+            data["image"].save(self.preview_dir / name)
+
+
+def run_workflows(args: argparse.Namespace, wfs: list, engine: Any = None) -> tuple[Any, list[list[Path]]]:
+    """Run one workflow, or several planned as one queue; returns the run and each workflow's images."""
+    engine = engine or engine_from(args)
+    preview = getattr(args, "preview", None)
+    engine.previews = bool(preview)
+    extras = [{"workflow": wf.ui} if wf.ui is not None else None for wf in wfs]
+    if len(wfs) == 1:
+        result = engine.run(wfs[0].prompt, extra_pnginfo=extras[0], events=_Bars(wfs[0].prompt, preview))
+        images = [result.images]
+    else:
+        from .graph.queue import merge
+
+        bars = _Bars(merge([wf.prompt for wf in wfs]).prompt, preview)
+        result, images = engine.run_queue([wf.prompt for wf in wfs], extra_pnginfo=extras, events=bars)
+    log.info("%d nodes ran, %d cached; %d loads, %d unloads; %.2f s", len(result.nodes), len(result.cached),
+             result.loads, result.unloads, result.seconds)
+    return result, images
 
 
 def run_workflow(args: argparse.Namespace, wf: Any, engine: Any = None) -> Any:
-    engine = engine or engine_from(args)
-    extra = {"workflow": wf.ui} if wf.ui is not None else None
-    result = engine.run(wf.prompt, extra_pnginfo=extra, events=_Bars(wf.prompt))
-    log.info("%d nodes ran, %d cached; %d loads, %d unloads; %.2f s", len(result.nodes), len(result.cached),
-             result.loads, result.unloads, result.seconds)
-    return result
+    return run_workflows(args, [wf], engine)[0]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -210,9 +237,8 @@ def _run(args: argparse.Namespace) -> int:
             write_tiny_models(models, names=SHIPPED_NAMES)
         args.models = [str(models)]
         log.info("demo: tiny random-weight models in %s, so the picture is noise", models)
-    wf = _load(args)
-    result = run_workflow(args, wf)
-    for p in result.images:
+    result, images = run_workflows(args, [_load(args, w) for w in args.workflow])
+    for p in (p for group in images for p in group):
         print(p)
     if args.report:
         Path(args.report).write_text(json.dumps(result.to_json(), indent=1))
@@ -286,66 +312,61 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate_prompt(args: argparse.Namespace) -> dict:
-    """The shipped text-to-image / edit / base workflow, filled in from the generate options."""
-    base = args.negative is not None
-    refs = list(args.image)
-    name = "text_to_image_base" if base and not refs else "multi_reference" if len(refs) > 1 else \
-        "edit" if refs else "text_to_image"
-    prompt = json.loads((WORKFLOWS / f"{name}.json").read_text())
-    sampler = prompt["6"]["inputs"]
-    sampler.update(seed=args.seed, steps=args.steps or (50 if base else 4),
-                   guidance=args.guidance if args.guidance is not None else (4.0 if base else 1.0))
-    prompt["4"]["inputs"]["text"] = args.prompt
-    if base:
-        if refs:
-            prompt["9"] = {"class_type": "VGTextEncode", "inputs": {"text_encoder": ["2", 0], "text": ""}}
-            sampler["negative"] = ["9", 0]
-        prompt["9"]["inputs"]["text"] = args.negative
-    prompt["5"]["inputs"].update(width=args.width, height=args.height)
-    if args.checkpoint:
-        prompt["1"] = {"class_type": "VGLoadCheckpoint", "inputs": {"path": args.checkpoint}}
-        prompt.pop("3")
-        prompt.pop("2")
-        for node in prompt.values():
-            for k, v in node["inputs"].items():
-                if isinstance(v, list) and v[0] in ("2", "3"):
-                    node["inputs"][k] = ["1", {"2": 1, "3": 2}[v[0]]]
-    else:
-        prompt["1"]["inputs"]["file"] = args.transformer
-        prompt["2"]["inputs"]["file"] = args.text_encoder
-        prompt["3"]["inputs"]["file"] = args.vae
-    return prompt
+def _prompts(args: argparse.Namespace) -> list[str]:
+    texts = list(args.prompt)
+    if args.prompts:
+        texts += [t.strip() for t in Path(args.prompts).read_text().splitlines() if t.strip()]
+    if not texts:
+        raise ValueError("give a prompt with -p TEXT (repeatable) or --prompts FILE")
+    return texts
 
 
 def _generate(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from .graph.workflow import Workflow
+    from PIL import Image
 
-    prompt = generate_prompt(args)
+    from .graph.workflow import Workflow
+    from .session import build_prompt
+
+    texts = _prompts(args)
+    names = {"checkpoint": args.checkpoint} if args.checkpoint else \
+        {"transformer": args.transformer, "text_encoder": args.text_encoder, "vae": args.vae}
     with tempfile.TemporaryDirectory() as tmp:
         args.output = tmp
+        refs = []
         if args.image:  # the references are read through the input folder, as a workflow would
             args.input = tmp
-            from PIL import Image
-
-            for node, path in zip(("10", "12"), args.image, strict=False):
+            for i, path in enumerate(args.image):
                 src = Path(path)
                 try:
                     with Image.open(src) as im:
                         im.verify()
                 except OSError as e:
                     raise ValueError(f"--image {path}: not a readable image ({e})") from e
-                shutil.copy(src, Path(tmp) / f"ref{node}{src.suffix}")
-                prompt[node]["inputs"]["image"] = f"ref{node}{src.suffix}"
-        result = run_workflow(args, Workflow(prompt, None, "generate"))
+                shutil.copy(src, Path(tmp) / f"ref{i}{src.suffix}")
+                refs.append(f"ref{i}{src.suffix}")
+        wfs = [Workflow(build_prompt(t, width=args.width, height=args.height, seed=args.seed + i, steps=args.steps,
+                                     guidance=args.guidance, negative=args.negative, references=tuple(refs),
+                                     **names), None, "generate")
+               for i, t in enumerate(texts)]
+        _, images = run_workflows(args, wfs)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(result.images[0]), out)
-    print(out)
+        targets = [out] if len(texts) == 1 else [out.with_name(f"{out.stem}-{i + 1}{out.suffix}")
+                                                 for i in range(len(texts))]
+        for group, target in zip(images, targets, strict=True):
+            shutil.move(str(group[0]), target)
+            print(target)
     return 0
+
+
+def _session(args: argparse.Namespace) -> int:
+    from .session import Session, repl
+
+    names = {"checkpoint": args.checkpoint} if getattr(args, "checkpoint", None) else {}
+    return repl(Session(engine_from(args), save_dir=Path(args.out_dir), names=names))
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -382,12 +403,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _generate, "inspect": _inspect,
-            "demo": _demo, "serve": _serve}
+            "demo": _demo, "serve": _serve, "session": _session}
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv or ["session"])
     from .graph.errors import VramgraphError
     from .graph.planner import PlanError
     from .models.common import CheckpointError

@@ -30,7 +30,7 @@ def _target(root: Path, prefix: str) -> tuple[Path, str]:
     return folder, Path(prefix).name or "image"
 
 
-def _next_counter(folder: Path, name: str) -> int:
+def next_counter(folder: Path, name: str) -> int:
     pat = re.compile(re.escape(name) + r"_(\d+)_\.png$")
     found = [int(m.group(1)) for p in folder.glob(f"{name}_*_.png") if (m := pat.match(p.name))]
     return max(found, default=0) + 1
@@ -49,7 +49,7 @@ def save_images(images: torch.Tensor, root: Path, prefix: str, kind: str, prompt
         meta.add_text(key, json.dumps(value))
     if seed is not None:
         meta.add_text("seed", str(seed))
-    counter = _next_counter(folder, name)
+    counter = next_counter(folder, name)
     results = []
     for im in ops.to_pil(images):
         path = folder / f"{name}_{counter:05}_.png"

@@ -1,0 +1,188 @@
+"""The interactive session: prompt lines in, images out, models kept across prompts.
+
+    vramgraph session [--models DIR] [--vram 12GiB]      (or plain `vramgraph`)
+
+A line is a prompt, optionally starting with a size (`768x512 a red fox`). Commands: !seed N,
+!size WxH, !steps N, !guidance G, !ref PATH (add a reference image; `!ref` alone clears them),
+!save DIR, !help, !quit. Each prompt is planned with the residency the previous one left, so a
+model that stayed on the GPU is not loaded again; after each image the session says what was loaded
+or freed and how long it took. The seed goes up by one after every image.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .nodes.output import next_counter
+
+WORKFLOWS = Path(__file__).parent / "workflows"
+HELP = __doc__.split("\n\n", 2)[2]
+SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\b\s*")
+
+
+def build_prompt(text: str, *, width: int = 1024, height: int = 1024, seed: int = 0, steps: int | None = None,
+                 guidance: float | None = None, negative: str | None = None, references: tuple[str, ...] = (),
+                 transformer: str = "flux-2-klein-4b.safetensors", text_encoder: str = "qwen_3_4b.safetensors",
+                 vae: str = "flux2-vae.safetensors", checkpoint: str | None = None) -> dict:
+    """One of the shipped workflows (text to image, base with a negative, edit, multi-reference), filled in.
+
+    `references` are names in the input folder. With `checkpoint` (an HF folder or a folder of the
+    three files) one VGLoadCheckpoint replaces the three file loaders.
+    """
+    base = negative is not None
+    name = "text_to_image_base" if base and not references else "multi_reference" if len(references) > 1 else \
+        "edit" if references else "text_to_image"
+    prompt = json.loads((WORKFLOWS / f"{name}.json").read_text())
+    sampler = prompt["6"]["inputs"]
+    sampler.update(seed=seed, steps=steps or (50 if base else 4),
+                   guidance=guidance if guidance is not None else (4.0 if base else 1.0))
+    prompt["4"]["inputs"]["text"] = text
+    if base:
+        if references:
+            prompt["9"] = {"class_type": "VGTextEncode", "inputs": {"text_encoder": ["2", 0], "text": ""}}
+            sampler["negative"] = ["9", 0]
+        prompt["9"]["inputs"]["text"] = negative
+    prompt["5"]["inputs"].update(width=width, height=height)
+    refs = list(references)
+    if len(refs) > 2:  # more references: chain further load + attach pairs
+        for i, ref in enumerate(refs[2:], start=2):
+            load, attach = f"{20 + 2 * i}", f"{21 + 2 * i}"
+            prev = "13" if i == 2 else f"{21 + 2 * (i - 1)}"
+            prompt[load] = {"class_type": "VGLoadImage", "inputs": {"image": ref}}
+            prompt[attach] = {"class_type": "VGReferenceImage",
+                              "inputs": {"conditioning": [prev, 0], "vae": ["3", 0], "image": [load, 0]}}
+            sampler["positive"] = [attach, 0]
+    for node, ref in zip(("10", "12"), refs, strict=False):
+        prompt[node]["inputs"]["image"] = ref
+    if checkpoint:
+        prompt["1"] = {"class_type": "VGLoadCheckpoint", "inputs": {"path": checkpoint}}
+        del prompt["2"], prompt["3"]
+        for node in prompt.values():
+            for k, v in node["inputs"].items():
+                if isinstance(v, list) and v[0] in ("2", "3"):
+                    node["inputs"][k] = ["1", {"2": 1, "3": 2}[v[0]]]
+    else:
+        prompt["1"]["inputs"]["file"] = transformer
+        prompt["2"]["inputs"]["file"] = text_encoder
+        prompt["3"]["inputs"]["file"] = vae
+    return prompt
+
+
+def describe_moves(events: list) -> str:
+    loaded = [e.model.split(":")[0].replace("_", " ") for e in events if e.kind == "load"]
+    freed = [e.model.split(":")[0].replace("_", " ") for e in events if e.kind == "unload"]
+    parts = ([f"loaded {', '.join(loaded)}"] if loaded else []) + ([f"freed {', '.join(freed)}"] if freed else [])
+    return "; ".join(parts) or "no model moved"
+
+
+@dataclass
+class Session:
+    """State of an interactive session; `handle(line)` returns the messages to show."""
+
+    engine: Any
+    width: int = 1024
+    height: int = 1024
+    seed: int = 0
+    steps: int | None = None
+    guidance: float | None = None
+    save_dir: Path = field(default_factory=lambda: Path("output"))
+    references: list[Path] = field(default_factory=list)
+    names: dict = field(default_factory=dict)  # transformer / text_encoder / vae file names, or checkpoint
+    done: bool = False
+
+    def handle(self, line: str, say: Callable[[str], None]) -> None:
+        line = line.strip()
+        if not line:
+            return
+        if line.startswith("!"):
+            self._command(line[1:].split(None, 1), say)
+            return
+        m = SIZE.match(line)
+        width, height = self.width, self.height
+        if m:
+            width, height, line = int(m.group(1)), int(m.group(2)), line[m.end():]
+            if not line:
+                raise ValueError("a size must be followed by a prompt, e.g. 768x512 a red fox")
+        self._generate(line, width, height, say)
+
+    def _command(self, parts: list[str], say: Callable[[str], None]) -> None:
+        cmd, arg = parts[0].lower(), (parts[1].strip() if len(parts) > 1 else "")
+        if cmd in ("quit", "exit", "q"):
+            self.done = True
+        elif cmd == "help":
+            say(HELP)
+        elif cmd == "seed":
+            self.seed = int(arg)
+        elif cmd == "steps":
+            self.steps = int(arg) if int(arg) > 0 else None
+        elif cmd == "guidance":
+            self.guidance = float(arg)
+        elif cmd == "size":
+            m = SIZE.match(arg)
+            if not m or m.end() != len(arg):
+                raise ValueError(f"!size {arg}: write WxH, e.g. !size 768x512")
+            self.width, self.height = int(m.group(1)), int(m.group(2))
+        elif cmd == "ref":
+            if not arg:
+                self.references.clear()
+                say("references cleared")
+                return
+            path = Path(arg).expanduser()
+            if not path.is_file():
+                raise ValueError(f"!ref {arg}: no such file")
+            self.references.append(path)
+        elif cmd == "save":
+            self.save_dir = Path(arg).expanduser()
+        else:
+            raise ValueError(f"unknown command !{cmd}; !help lists them")
+        if cmd not in ("quit", "exit", "q", "help"):
+            say(f"seed {self.seed}, size {self.width}x{self.height}, steps {self.steps or 'default'}, "
+                f"guidance {self.guidance if self.guidance is not None else 'default'}, "
+                f"{len(self.references)} reference(s), saving to {self.save_dir}")
+
+    def _generate(self, text: str, width: int, height: int, say: Callable[[str], None]) -> None:
+        folders = self.engine.folders
+        refs = []
+        for i, path in enumerate(self.references):  # references reach the workflow through the input folder
+            folders.input.mkdir(parents=True, exist_ok=True)
+            name = f"session_ref{i}{path.suffix}"
+            shutil.copy(path, folders.input / name)
+            refs.append(name)
+        prompt = build_prompt(text, width=width, height=height, seed=self.seed, steps=self.steps,
+                              guidance=self.guidance, references=tuple(refs), **self.names)
+        n_events = len(self.engine.ledger.events)
+        t0 = time.perf_counter()
+        result = self.engine.run(prompt)
+        seconds = time.perf_counter() - t0
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        saved = []
+        for p in result.images:
+            stem = p.name.rsplit("_", 2)[0]  # ComfyUI's {prefix}_{counter:05}_.png
+            target = self.save_dir / f"{stem}_{next_counter(self.save_dir, stem):05}_.png"
+            shutil.move(str(p), target)
+            saved.append(target)
+        say(f"{', '.join(map(str, saved))}  seed {self.seed}, {seconds:.2f} s; "
+            f"{describe_moves(self.engine.ledger.events[n_events:])}")
+        self.seed += 1
+
+
+def repl(session: Session, read: Callable[[str], str] = input, say: Callable[[str], None] = print) -> int:
+    say("vramgraph session: type a prompt, or !help")
+    while not session.done:
+        try:
+            line = read("> ")
+        except (EOFError, KeyboardInterrupt):
+            break
+        try:
+            session.handle(line, say)
+        except Exception as e:  # the session goes on after a bad line or a failed image
+            msg = e.to_dict()["message"] if hasattr(e, "to_dict") else str(e)
+            say(f"error: {msg}")
+    return 0

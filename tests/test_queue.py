@@ -1,0 +1,147 @@
+"""Many images: queue-aware planning, the interactive session, step previews (CPU, tiny models)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from vramgraph.cli import main as cli
+from vramgraph.graph import planner
+from vramgraph.graph.budget import Budget
+from vramgraph.graph.executor import Engine
+from vramgraph.graph.queue import merge
+from vramgraph.models.preview import preview_rgb, unpatchify
+from vramgraph.models.vae import patchify
+from vramgraph.nodes.files import Folders
+from vramgraph.session import Session, build_prompt
+
+SIDE = 64
+
+
+def _folders(tiny_models: Path, input_dir: Path, tmp_path: Path) -> Folders:
+    return Folders(models=(tiny_models,), input=input_dir, output=tmp_path / "out", temp=tmp_path / "temp")
+
+
+def _prompts(n: int) -> list[dict]:
+    return [build_prompt(f"prompt number {i}", width=SIDE, height=SIDE, seed=10 + i) for i in range(n)]
+
+
+def _pixels(path: Path) -> np.ndarray:
+    return np.asarray(Image.open(path))
+
+
+def test_merge_shares_identical_nodes_but_never_outputs():
+    """
+    q0: 1,2,3 loaders -> 4 encode -> 6 sample -> 7 decode -> 8 save
+    q1: same loaders (shared), its own 4, 5 (same size: shared), 6, 7, 8
+    """
+    m = merge(_prompts(2), frozenset({"VGSaveImage"}))
+    ids = sorted(m.prompt)
+    assert [i for i in ids if i.startswith("q1:")] == ["q1:4", "q1:6", "q1:7", "q1:8"]
+    assert m.members[1]["1"] == "q0:1" and m.members[1]["5"] == "q0:5" and m.members[1]["8"] == "q1:8"
+    assert m.prompt["q1:6"]["inputs"]["model"] == ["q0:1", 0] and m.prompt["q1:6"]["inputs"]["positive"] == ["q1:4", 0]
+
+
+def test_queue_loads_each_model_once_and_gives_the_same_images(tiny_models, input_dir, tmp_path):
+    """A budget that holds one model at a time: queued, each model loads once; alone, each image swaps."""
+    folders = _folders(tiny_models, input_dir, tmp_path)
+    probe = Engine(folders)
+    prep = probe.prepare(_prompts(1)[0])
+    sizes = {e.info.label: e.info.nbytes for e in probe.ledger.entries.values()}
+    need = max(sizes["text encoder"], sizes["transformer"])
+    act = max(o.activation for c in prep.costs.values() for o in c.options)
+    budget = Budget(gpu=need + sizes["vae"] + act + 2**20, host=8 * 2**30)
+    assert sizes["text encoder"] + sizes["transformer"] > budget.gpu - act  # they cannot be resident together
+
+    queued = Engine(folders, budget=budget)
+    prompts = _prompts(4)
+    result, images = queued.run_queue(prompts)
+    loads = [s.step for s in result.plan.steps if isinstance(s.step, planner.Load)]
+    labels = sorted(result.plan.label(s.model) for s in loads)
+    assert labels == ["text encoder", "transformer", "vae"]  # one load of each model for 4 images
+    order = [result.plan.classes[n] for n in result.plan.order if result.plan.classes[n] != "VGSaveImage"
+             and not result.plan.classes[n].startswith("VGLoad") and result.plan.classes[n] != "VGEmptyLatent"]
+    assert order == ["VGTextEncode"] * 4 + ["VGSampler"] * 4 + ["VGVAEDecode"] * 4
+
+    alone = Engine(folders, budget=budget)
+    moves = 0
+    for prompt, mine in zip(prompts, images, strict=True):
+        r = alone.run(prompt)
+        moves += r.loads
+        assert np.array_equal(_pixels(r.images[0]), _pixels(mine[0]))  # bit for bit
+        saved = Image.open(mine[0])
+        assert json.loads(saved.text["prompt"]) == prompt  # each PNG carries its own prompt
+    assert moves > 3  # image by image the encoder and the transformer swap every time
+
+
+def test_queue_respects_host_ram(tiny_models, input_dir, tmp_path):
+    """With host RAM for only one held output at a time the queue finishes chains one by one."""
+    folders = _folders(tiny_models, input_dir, tmp_path)
+    engine = Engine(folders, budget=Budget(gpu=2**34, host=1))
+    result, images = engine.run_queue(_prompts(2))
+    assert all(len(g) == 1 for g in images)
+    classes = [result.plan.classes[n] for n in result.plan.order]
+    first_save = classes.index("VGSaveImage")
+    assert classes[first_save + 1:].count("VGTextEncode") == 1  # the second prompt started after the first saved
+
+
+def test_session_keeps_models_and_reports_moves(tiny_models, input_dir, tmp_path):
+    engine = Engine(_folders(tiny_models, input_dir, tmp_path))
+    said: list[str] = []
+    s = Session(engine, width=SIDE, height=SIDE, save_dir=tmp_path / "saved")
+    s.handle("a red fox", said.append)
+    assert "loaded text encoder, transformer, vae" in said[-1] and "seed 0" in said[-1]
+    s.handle("!seed 7", said.append)
+    s.handle("128x64 a cat", said.append)
+    assert "seed 7" in said[-1] and "no model moved" in said[-1]
+    saved = sorted((tmp_path / "saved").glob("*.png"))
+    assert len(saved) == 2 and Image.open(saved[1]).size == (128, 64)
+    s.handle(f"!ref {input_dir / 'reference.png'}", said.append)
+    assert "1 reference(s)" in said[-1]
+    s.handle("make it winter", said.append)
+    assert len(list((tmp_path / "saved").glob("edit_*.png"))) == 1
+    with pytest.raises(ValueError, match="!help"):
+        s.handle("!bogus", said.append)
+    with pytest.raises(ValueError, match="WxH"):
+        s.handle("!size big", said.append)
+    s.handle("!quit", said.append)
+    assert s.done
+
+
+def test_previews_every_step_and_map_shape(tiny_models, input_dir, tmp_path):
+    engine = Engine(_folders(tiny_models, input_dir, tmp_path), previews=True)
+    frames = []
+    engine.run(_prompts(1)[0], events=lambda k, d: frames.append(d) if k == "preview" else None)
+    assert [f["step"] for f in frames] == [1, 2, 3, 4] and all(f["image"].size[0] >= 8 for f in frames)
+    lat = torch.randn(2, 128, 5, 7)
+    assert torch.equal(unpatchify(lat), _unpatchify_ref(lat))
+    rgb = preview_rgb(lat)
+    assert rgb.shape == (2, 10, 14, 3) and rgb.min() >= 0 and rgb.max() <= 1
+
+
+def _unpatchify_ref(lat: torch.Tensor) -> torch.Tensor:
+    """Inverse of the VAE's own patchify, as an independent check of the preview's channel order."""
+    out = torch.zeros(lat.shape[0], 32, lat.shape[2] * 2, lat.shape[3] * 2)
+    for c in range(32):
+        for dy in range(2):
+            for dx in range(2):
+                out[:, c, dy::2, dx::2] = lat[:, c * 4 + dy * 2 + dx]
+    assert torch.equal(patchify(out), lat)
+    return out
+
+
+def test_cli_generate_queue_and_previews(tiny_models, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a boat\n\na lighthouse\n")
+    out = tmp_path / "img.png"
+    assert cli(["generate", "--models", str(tiny_models), "-p", "a fox", "--prompts", str(prompts),
+                "-W", str(SIDE), "-H", str(SIDE), "-o", str(out), "--preview", str(tmp_path / "prev")]) == 0
+    made = sorted(tmp_path.glob("img-*.png"))
+    assert [p.name for p in made] == ["img-1.png", "img-2.png", "img-3.png"]
+    assert [json.loads(Image.open(p).text["prompt"])["4"]["inputs"]["text"] for p in made] == \
+        ["a fox", "a boat", "a lighthouse"]
+    assert len(list((tmp_path / "prev").glob("*.png"))) == 12  # 3 images x 4 steps

@@ -141,7 +141,7 @@ class NodeContext:
         def send(latent: torch.Tensor, step: int, steps: int) -> None:
             from ..models.preview import preview_images
 
-            for i, image in enumerate(preview_images(latent)):
+            for i, image in enumerate(preview_images(latent, max_side=0)):
                 self._events("preview", {"node": self.node, "step": step, "max": steps, "index": i, "image": image})
 
         return send

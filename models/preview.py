@@ -39,7 +39,7 @@ def preview_rgb(latent: torch.Tensor) -> torch.Tensor:
 
 
 def preview_images(latent: torch.Tensor, max_side: int = 512) -> list[Image.Image]:
-    """PIL previews, enlarged (nearest) up to `max_side` so that they are visible."""
+    """PIL previews at twice the latent's resolution, enlarged (nearest) up to `max_side` if it is larger."""
     out = []
     for im in (preview_rgb(latent) * 255).round().to(torch.uint8).numpy():
         pil = Image.fromarray(im)

@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8188, help="port (default 8188, ComfyUI's)")
     s.add_argument("--demo", action="store_true",
                    help="serve tiny random-weight models (written to ./vramgraph-demo/models) instead of --models")
+    s.add_argument("--previews", action="store_true",
+                   help="step previews for every prompt (default: only for prompts whose extra_data asks, as ComfyUI)")
     _engine_args(s)
     ss = sub.add_parser("session", help="interactive: prompt lines in, images out, models kept (also: no command)")
     ss.add_argument("--checkpoint", default=None)

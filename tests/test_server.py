@@ -1,0 +1,434 @@
+"""The local server against ComfyUI's API: an unchanged client library from PyPI, the websocket events,
+the queue, history, files (never outside their folders), object_info, and our plan routes.
+
+Runs on the CPU with tiny random-weight models under the shipped workflows' file names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from PIL import Image
+from vramgraph.nodes import ENGINE_NODES
+from vramgraph.nodes.types import INT, Cost
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 120
+
+
+class TestSlow:
+    """An output node that counts slowly and reports progress (test only)."""
+
+    CATEGORY = "test"
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "run"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"steps": (INT, {"default": 5, "min": 1, "max": 1000})}, "hidden": {"vg": "VG_CONTEXT"}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, steps: int) -> Cost:
+        return Cost(())
+
+    def run(self, steps: int, vg: Any = None) -> dict:
+        for i in range(steps):
+            time.sleep(0.05)
+            vg.progress(i + 1, steps)
+        return {"ui": {"text": [str(steps)]}}
+
+
+class TestBoom(TestSlow):
+    def run(self, steps: int, vg: Any = None) -> dict:
+        raise RuntimeError(f"boom after {steps}")
+
+
+NODES = {**ENGINE_NODES, "TestSlow": TestSlow, "TestBoom": TestBoom}
+
+
+def text_to_image(size: int = 64, steps: int = 2) -> dict:
+    prompt = json.loads((ROOT / "workflows" / "text_to_image.json").read_text())
+    prompt["5"]["inputs"].update(width=size, height=size)
+    prompt["6"]["inputs"]["steps"] = steps
+    return prompt
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from vramgraph.demo import SHIPPED_NAMES, write_tiny_models
+    from vramgraph.nodes.files import Folders
+
+    tmp = tmp_path_factory.mktemp("server")
+    write_tiny_models(tmp / "models", names=SHIPPED_NAMES)
+    f = Folders(models=(tmp / "models",), input=tmp / "input", output=tmp / "output", temp=tmp / "temp")
+    for d in (f.input, f.output, f.temp):
+        d.mkdir(parents=True)
+    (tmp / "secret.txt").write_text("not for the web")
+    return f
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    from vramgraph.graph.executor import Engine
+    from vramgraph.server import ServerThread, make_app
+
+    with ServerThread(make_app(Engine(folders, nodes=NODES))) as srv:
+        yield srv
+
+
+def wait_history(url: str, pid: str) -> dict:
+    end = time.monotonic() + TIMEOUT
+    while time.monotonic() < end:
+        h = requests.get(f"{url}/history/{pid}", timeout=10).json()
+        if h:
+            return h[pid]
+        time.sleep(0.1)
+    raise AssertionError(f"prompt {pid} did not finish")
+
+
+def post(url: str, path: str, body: Any) -> requests.Response:
+    return requests.post(url + path, json=body, timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------------ a real client
+
+
+def test_comfyui_client_library_gets_the_image(server):
+    """comfy-api-simplified, unchanged: queue the workflow, wait on /ws, read /history, fetch /view."""
+    if os.environ.get("CI"):  # CI installs the test extras: a missing client is a failure there
+        import comfy_api_simplified as client
+    else:
+        client = pytest.importorskip("comfy_api_simplified", reason="pip install comfy-api-simplified (test extra)")
+    ComfyApiWrapper, ComfyWorkflowWrapper = client.ComfyApiWrapper, client.ComfyWorkflowWrapper
+
+    api = ComfyApiWrapper(server.url)
+    wf = ComfyWorkflowWrapper(text_to_image())
+    wf.set_node_param("Sampler", "seed", 7)
+    images = api.queue_and_wait_images(wf, "Save")
+    assert len(images) == 1
+    (name, data), = images.items()
+    assert name.startswith("text_to_image_") and name.endswith(".png")
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.size == (64, 64)
+        assert im.text["prompt"] and json.loads(im.text["prompt"])["6"]["inputs"]["seed"] == 7
+        assert len(im.convert("RGB").getcolors(1 << 16)) > 50
+    # the same workflow again: every node cached, and the client still gets the image (ComfyUI re-sends it)
+    assert api.queue_and_wait_images(wf, "Save") == images
+    assert api.get_queue() == {"queue_running": [], "queue_pending": []}
+    assert "devices" in api.get_system_stats()
+    assert api.get_object_info("VGSampler")["VGSampler"]["category"] == "vramgraph"
+
+
+# ------------------------------------------------------------------------------------------ websocket
+
+
+async def _run_ws(url: str, body: dict, until: str = "executing_none") -> tuple[list, list[bytes], dict]:
+    import aiohttp
+
+    client = body["client_id"]
+    msgs: list = []
+    frames: list[bytes] = []
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{url.replace('http', 'ws')}/ws?clientId={client}") as ws:
+        first = await ws.receive_json(timeout=10)
+        async with s.post(url + "/prompt", json=body) as r:
+            answer = await r.json()
+        pid = answer["prompt_id"]
+        msgs.append(first)
+        while True:
+            m = await ws.receive(timeout=TIMEOUT)
+            if m.type == aiohttp.WSMsgType.BINARY:
+                frames.append(m.data)
+                continue
+            msg = json.loads(m.data)
+            msgs.append(msg)
+            if msg["type"] == "executing" and msg["data"]["node"] is None and msg["data"]["prompt_id"] == pid:
+                return msgs, frames, answer
+
+
+def test_websocket_events_in_comfyui_order(server):
+    body = {"prompt": text_to_image(), "client_id": "events-test", "extra_data": {"preview_method": "auto"}}
+    msgs, frames, answer = asyncio.run(_run_ws(server.url, body))
+    pid = answer["prompt_id"]
+    assert len(frames) == 2, "one preview frame per sampling step"
+    for frame in frames:  # ComfyUI's binary preview: event 1, format 2 (PNG), the PNG
+        assert struct.unpack(">II", frame[:8]) == (1, 2)
+        with Image.open(io.BytesIO(frame[8:])) as im:
+            assert im.format == "PNG" and im.size == (8, 8)
+    assert msgs[0]["type"] == "status" and msgs[0]["data"]["sid"] == "events-test"
+    kinds = [m["type"] for m in msgs]
+    for kind in ("execution_start", "vramgraph.plan", "executing", "progress", "executed", "execution_success"):
+        assert kind in kinds, kind
+    assert kinds.index("execution_start") < kinds.index("vramgraph.plan") < kinds.index("executing") \
+        < kinds.index("execution_success")
+    assert all(m["data"].get("prompt_id") == pid for m in msgs if m["type"] not in ("status",))
+    plan = next(m["data"] for m in msgs if m["type"] == "vramgraph.plan")
+    assert plan["timeline"]["budget"] > 0 and len(plan["timeline"]["steps"]) == len(plan["plan"]["steps"])
+    steps = [m["data"] for m in msgs if m["type"] == "vramgraph.step"]  # none when an earlier test left them loaded
+    assert all(d["kind"] in ("load", "unload") and plan["plan"]["steps"][d["step"]]["kind"] == d["kind"]
+               for d in steps)
+    executed = [m["data"] for m in msgs if m["type"] == "executed"]
+    assert [d["node"] for d in executed] == ["8"] and executed[0]["output"]["images"][0]["type"] == "output"
+    progress = [m["data"] for m in msgs if m["type"] == "progress"]
+    assert progress[-1] == {"node": "6", "value": 2, "max": 2, "prompt_id": pid}
+    # the end is announced after the history is written, and status shows the queue empty
+    end = kinds.index("execution_success")
+    assert any(m["type"] == "status" and m["data"]["status"]["exec_info"]["queue_remaining"] == 0
+               for m in msgs[end:])
+    assert requests.get(f"{server.url}/history/{pid}", timeout=10).json()[pid]["status"]["completed"]
+
+
+def test_second_run_is_cached(server):
+    body = {"prompt": {"1": {"class_type": "TestSlow", "inputs": {"steps": 3}}}, "client_id": "cache-test"}
+    msgs, _, _ = asyncio.run(_run_ws(server.url, body))
+    assert [m["data"]["value"] for m in msgs if m["type"] == "progress"] == [1, 2, 3]
+    # the same prompt again: every node cached, nothing executed
+    msgs, frames, _ = asyncio.run(_run_ws(server.url, body))
+    cached = [m["data"]["nodes"] for m in msgs if m["type"] == "execution_cached"]
+    assert cached == [["1"]] and not frames
+    assert [m["data"]["output"] for m in msgs if m["type"] == "executed"] == [{"text": ["3"]}]
+
+
+# ------------------------------------------------------------------------------------------ /prompt
+
+
+def test_validation_errors_as_comfyui_returns_them(server):
+    bad = text_to_image()
+    bad["6"]["inputs"]["steps"] = "many"
+    bad["4"]["inputs"]["text_encoder"] = ["99", 0]
+    r = post(server.url, "/prompt", {"prompt": bad})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["error"]["type"] == "prompt_outputs_failed_validation"
+    assert set(body["node_errors"]) == {"4", "6"}
+    assert body["node_errors"]["6"]["errors"][0]["type"] == "invalid_input_type"
+    assert body["node_errors"]["6"]["dependent_outputs"] == ["8"]
+    assert body["node_errors"]["6"]["class_type"] == "VGSampler"
+    r = post(server.url, "/prompt", {"prompt": {"1": {"class_type": "NoSuchNode", "inputs": {}}}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "missing_node_type"
+    r = post(server.url, "/prompt", {"client_id": "x"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "no_prompt"
+    assert requests.get(server.url + "/prompt", timeout=10).json() == {"exec_info": {"queue_remaining": 0}}
+
+
+def test_execution_error_reaches_history(server):
+    r = post(server.url, "/prompt", {"prompt": {"5": {"class_type": "TestBoom", "inputs": {"steps": 2}}},
+                                     "prompt_id": "boom-1"})
+    assert r.status_code == 200 and r.json()["prompt_id"] == "boom-1"
+    entry = wait_history(server.url, "boom-1")
+    assert entry["status"]["status_str"] == "error" and entry["status"]["completed"] is False
+    kind, data = entry["status"]["messages"][-1]
+    assert kind == "execution_error"
+    assert data["node_id"] == "5" and data["node_type"] == "TestBoom" and "boom after 2" in data["exception_message"]
+    assert data["prompt_id"] == "boom-1" and data["exception_type"] == "RuntimeError"
+
+
+def test_history_entry_shape(server):
+    r = post(server.url, "/prompt", {"prompt": text_to_image(), "client_id": "h",
+                                     "extra_data": {"extra_pnginfo": {"workflow": {"nodes": []}}}})
+    pid, number = r.json()["prompt_id"], r.json()["number"]
+    entry = wait_history(server.url, pid)
+    assert entry["prompt"][:2] == [number, pid] and entry["prompt"][4] == ["8"]
+    assert entry["prompt"][3]["client_id"] == "h"
+    assert list(entry["outputs"]) == ["8"]
+    assert entry["status"]["status_str"] == "success" and entry["status"]["completed"] is True
+    assert entry["status"]["messages"][0][0] == "execution_start"
+    assert entry["status"]["messages"][-1][0] == "execution_success"
+    assert entry["meta"]["8"]["node_id"] == "8"
+    report = entry["vramgraph"]
+    assert report["plan"]["steps"] and {n["node"] for n in report["nodes"]} >= {"6", "7"}
+    assert all({"predicted_bytes", "measured_bytes", "seconds"} <= set(n) for n in report["nodes"])
+    everything = requests.get(server.url + "/history", timeout=10).json()
+    assert pid in everything
+    assert len(requests.get(server.url + "/history?max_items=1", timeout=10).json()) == 1
+    image = entry["outputs"]["8"]["images"][0]
+    with Image.open(io.BytesIO(requests.get(server.url + "/view", params=image, timeout=10).content)) as im:
+        assert im.size == (64, 64)
+    assert requests.post(server.url + "/history", json={"delete": [pid]}, timeout=10).status_code == 200
+    assert requests.get(f"{server.url}/history/{pid}", timeout=10).json() == {}
+
+
+def test_queue_listing_ordering_delete_clear_and_interrupt(server):
+    url = server.url
+    slow = {"1": {"class_type": "TestSlow", "inputs": {"steps": 200}}}
+    running = post(url, "/prompt", {"prompt": slow, "prompt_id": "q-run"}).json()
+    end = time.monotonic() + TIMEOUT
+    while not requests.get(url + "/queue", timeout=10).json()["queue_running"] and time.monotonic() < end:
+        time.sleep(0.05)
+    ids = [post(url, "/prompt", {"prompt": {"1": {"class_type": "TestSlow", "inputs": {"steps": 1 + i}}},
+                                 "prompt_id": f"q-{i}"}).json()["prompt_id"] for i in range(3)]
+    front = post(url, "/prompt", {"prompt": {"1": {"class_type": "TestSlow", "inputs": {"steps": 9}}},
+                                  "front": True, "prompt_id": "q-front"}).json()
+    q = requests.get(url + "/queue", timeout=10).json()
+    assert [e[1] for e in q["queue_running"]] == [running["prompt_id"]]
+    assert [e[1] for e in q["queue_pending"]] == ["q-front", *ids]
+    assert front["number"] < 0 and len(q["queue_pending"][0]) == 5
+    assert requests.get(url + "/prompt", timeout=10).json()["exec_info"]["queue_remaining"] == 5
+    assert requests.post(url + "/queue", json={"delete": ["q-1"]}, timeout=10).status_code == 200
+    assert [e[1] for e in requests.get(url + "/queue", timeout=10).json()["queue_pending"]] == ["q-front", "q-0",
+                                                                                                 "q-2"]
+    requests.post(url + "/queue", json={"clear": True}, timeout=10)
+    assert requests.get(url + "/queue", timeout=10).json()["queue_pending"] == []
+    assert requests.post(url + "/interrupt", json={"prompt_id": "someone-else"}, timeout=10).status_code == 200
+    time.sleep(0.2)
+    assert requests.get(url + "/queue", timeout=10).json()["queue_running"], "another prompt's id stops nothing"
+    assert requests.post(url + "/interrupt", timeout=10).status_code == 200
+    entry = wait_history(url, "q-run")
+    assert entry["status"]["status_str"] == "error"
+    kind, data = entry["status"]["messages"][-1]
+    assert kind == "execution_interrupted" and data["node_id"] == "1" and data["node_type"] == "TestSlow"
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+def test_view_never_leaves_its_folders(server, folders):
+    url = server.url
+    (folders.output / "sub").mkdir(exist_ok=True)
+    Image.new("RGB", (4, 4), (0, 255, 0)).save(folders.output / "sub" / "ok.png")
+    (folders.temp / "t.png").write_bytes((folders.output / "sub" / "ok.png").read_bytes())
+    (folders.output / "link.txt").symlink_to(folders.output.parent / "secret.txt")
+    assert requests.get(url + "/view", params={"filename": "ok.png", "subfolder": "sub"}, timeout=10).status_code == 200
+    assert requests.get(url + "/view", params={"filename": "t.png", "type": "temp"}, timeout=10).status_code == 200
+    r = requests.get(url + "/view", params={"filename": "ok.png", "subfolder": "sub", "preview": "webp;50"},
+                     timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"] == "image/webp"
+    attempts = [
+        {"filename": "../secret.txt"}, {"filename": "secret.txt", "subfolder": ".."},
+        {"filename": "secret.txt", "subfolder": "../"}, {"filename": "passwd", "subfolder": "/etc"},
+        {"filename": "/etc/passwd"}, {"filename": "..", "subfolder": ""}, {"filename": "secret.txt", "type": "models"},
+        {"filename": "ok.png", "subfolder": "sub/../../"}, {"filename": "link.txt"},
+        {"filename": "secret.txt", "subfolder": "%2e%2e"}, {"filename": "..\\secret.txt"},
+        {"filename": "secret.txt", "type": "../"}, {"filename": ""},
+    ]
+    for params in attempts:
+        r = requests.get(url + "/view", params=params, timeout=10)
+        assert r.status_code in (400, 403, 404), (params, r.status_code)
+        assert b"not for the web" not in r.content
+    raw = requests.get(url + "/view?filename=secret.txt&subfolder=..%2F", timeout=10)
+    assert raw.status_code in (400, 403, 404)
+    for path in ("/view/../secret.txt", "/web/../secret.txt", "/web/%2e%2e/secret.txt", "/web/..%2Fserver.py"):
+        r = requests.get(url + path, timeout=10)
+        assert r.status_code in (400, 403, 404) and b"not for the web" not in r.content, path
+    assert requests.get(url + "/no/such/route", timeout=10).status_code == 404
+
+
+def test_upload_image(server, folders):
+    url = server.url
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (10, 20, 30)).save(buf, format="PNG")
+    data = buf.getvalue()
+
+    def upload(name: str, payload: bytes = data, **fields: str) -> requests.Response:
+        return requests.post(url + "/upload/image", files={"image": (name, payload, "image/png")}, data=fields,
+                             timeout=10)
+
+    r = upload("ref.png")
+    assert r.status_code == 200 and r.json() == {"name": "ref.png", "subfolder": "", "type": "input"}
+    assert (folders.input / "ref.png").read_bytes() == data
+    assert upload("ref.png").json()["name"] == "ref.png", "the same image again is not copied"
+    other = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 0, 0)).save(other, format="PNG")
+    assert upload("ref.png", other.getvalue()).json()["name"] == "ref (1).png"
+    assert upload("ref.png", other.getvalue(), overwrite="true").json()["name"] == "ref.png"
+    assert upload("x.png", subfolder="refs", type="temp").json() == {"name": "x.png", "subfolder": "refs",
+                                                                     "type": "temp"}
+    assert (folders.temp / "refs" / "x.png").is_file()
+    for bad in (dict(name="../evil.png"), dict(name="ok.png", subfolder="../.."), dict(name="ok.png", type="models"),
+                dict(name="ok.png", subfolder="/tmp")):
+        name = bad.pop("name")
+        assert upload(name, **bad).status_code == 400, (name, bad)
+    assert not (folders.input.parent / "evil.png").exists()
+    # an uploaded image validates as a LoadImage choice at once
+    info = requests.get(url + "/object_info/LoadImage", timeout=10).json()["LoadImage"]
+    assert "ref.png" in info["input"]["required"]["image"][0]
+
+
+# ------------------------------------------------------------------------------------------ info routes
+
+
+def test_object_info_shape(server):
+    info = requests.get(server.url + "/object_info", timeout=30).json()
+    assert set(NODES) <= set(info)
+    s = info["VGSampler"]
+    assert set(s) >= {"input", "input_order", "output", "output_is_list", "output_name", "name", "display_name",
+                      "description", "python_module", "category", "output_node"}
+    assert s["input_order"]["required"] == ["model", "positive", "latent", "seed", "steps", "guidance"]
+    assert s["input"]["required"]["steps"][0] == "INT" and s["output"] == ["LATENT"]
+    assert s["display_name"] == "Sampler (vramgraph)" and s["category"] == "vramgraph"
+    assert info["SaveImage"]["output_node"] is True and info["SaveImage"]["python_module"] == "nodes"
+    assert "flux-2-klein-4b.safetensors" in info["UNETLoader"]["input"]["required"]["unet_name"][0]
+    assert info["SamplerCustomAdvanced"]["output_name"] == ["output", "denoised_output"]
+    assert requests.get(server.url + "/api/object_info/KSampler", timeout=10).json()["KSampler"]["name"] == "KSampler"
+    assert requests.get(server.url + "/object_info/Nope", timeout=10).json() == {}
+
+
+def test_system_stats_and_free(server):
+    stats = requests.get(server.url + "/system_stats", timeout=10).json()
+    assert set(stats["system"]) >= {"os", "ram_total", "ram_free", "python_version", "pytorch_version"}
+    (dev,) = stats["devices"]
+    assert set(dev) == {"name", "type", "index", "vram_total", "vram_free", "torch_vram_total", "torch_vram_free"}
+    assert stats["vramgraph"]["budget"]["gpu"] > 0
+    assert post(server.url, "/free", {"unload_models": True, "free_memory": True}).status_code == 200
+
+
+def test_plan_convert_and_ui_routes(server):
+    prompt = text_to_image()
+    r = post(server.url, "/vramgraph/plan", {"prompt": prompt})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["timeline"]["budget"] == body["plan"]["budget"]["gpu"]
+    assert {m["label"] for m in body["timeline"]["models"].values()} == {"transformer", "text encoder", "vae"}
+    assert "loads" in body["table"]
+    # plans need no weights: a missing file is planned with the built-in klein sizes (9B: 33.8 GiB in fp32)
+    big = text_to_image(1024)
+    big["1"]["inputs"]["file"] = "flux-2-klein-9b.safetensors"
+    r = post(server.url, "/vramgraph/plan", {"prompt": big})
+    if r.status_code == 200:
+        assert max(m["nbytes"] for m in r.json()["timeline"]["models"].values()) > 30 * 2**30
+    else:
+        assert r.status_code == 400 and r.json()["error"]["type"] == "vram_plan_infeasible"
+        assert r.json()["error"]["extra_info"]["node_id"] == "6"
+    r = post(server.url, "/vramgraph/plan", {"nothing": 1})
+    assert r.status_code == 400
+
+    # API -> UI -> API gives the prompt back
+    ui = post(server.url, "/vramgraph/ui", {"prompt": prompt}).json()
+    assert len(ui["nodes"]) == 8 and len(ui["links"]) == 7
+    back = post(server.url, "/vramgraph/convert", {"workflow": ui}).json()
+    assert back["workflow"] == ui
+    assert {k: v["inputs"] for k, v in back["prompt"].items()} == {k: v["inputs"] for k, v in prompt.items()}
+    # a UI file keeps its layout and takes the edited widget values
+    prompt["6"]["inputs"]["seed"] = 1234
+    edited = post(server.url, "/vramgraph/ui", {"prompt": prompt, "workflow": ui}).json()
+    sampler = next(n for n in edited["nodes"] if n["id"] == 6)
+    assert sampler["widgets_values"][0] == 1234 and sampler["widgets_values"][1] == "fixed"
+    assert sampler["pos"] == next(n for n in ui["nodes"] if n["id"] == 6)["pos"]
+    # UI files from ComfyUI convert (reroutes, primitives, notes vanish)
+    data = json.loads((ROOT / "tests" / "data" / "ui" / "reroute_primitive_note.json").read_text())
+    conv = post(server.url, "/vramgraph/convert", {"workflow": data}).json()
+    assert conv["prompt"]["6"]["inputs"]["width"] == 768 and "10" not in conv["prompt"]
+    assert post(server.url, "/vramgraph/convert", {"workflow": {"x": 1}}).status_code == 400
+    names = requests.get(server.url + "/vramgraph/workflows", timeout=10).json()
+    assert "text_to_image" in names
+    shipped = requests.get(server.url + "/vramgraph/workflows/text_to_image", timeout=10).json()
+    assert shipped["6"]["class_type"] == "VGSampler"
+    assert requests.get(server.url + "/vramgraph/workflows/..%2Fpyproject", timeout=10).status_code == 404
+
+
+def test_page_and_scripts_are_served(server):
+    r = requests.get(server.url + "/", timeout=10)
+    assert r.status_code == 200 and '<script type="module" src="/web/app.mjs">' in r.text
+    for name in ("app.mjs", "graph.mjs", "timeline.mjs"):
+        r = requests.get(f"{server.url}/web/{name}", timeout=10)
+        assert r.status_code == 200 and "javascript" in r.headers["Content-Type"], name
+    assert requests.get(server.url + "/web/style.css", timeout=10).status_code == 200

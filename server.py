@@ -355,6 +355,22 @@ async def _index(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(WEB / "index.html", headers={"Cache-Control": "no-cache"})
 
 
+def memory_stats(engine: Any, reset: bool = False) -> dict:
+    """Torch allocator figures and the models on the GPU; `reset` restarts the peak counters first."""
+    import torch
+
+    out: dict[str, Any] = {"loaded_models": sorted(engine.ledger.on_gpu)}
+    if engine.device.type == "cuda":
+        if reset:
+            torch.cuda.reset_peak_memory_stats(engine.device)
+        free, total = torch.cuda.mem_get_info(engine.device)
+        out.update(max_allocated=torch.cuda.max_memory_allocated(engine.device),
+                   max_reserved=torch.cuda.max_memory_reserved(engine.device),
+                   allocated=torch.cuda.memory_allocated(engine.device),
+                   reserved=torch.cuda.memory_reserved(engine.device), dev_free=free, dev_total=total)
+    return out
+
+
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False
              ) -> web.Application:
     """The aiohttp application over `engine` (a graph.executor.Engine).
@@ -380,6 +396,9 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
         app.router.add_route(method, "/api" + path, handler)
     app.router.add_get("/", _index)
     app.router.add_static("/web/", WEB, show_index=False, follow_symlinks=False)
+    # the benchmark client's memory probe (shared/tools/comfyui-peer reads it from ComfyUI the same way)
+    app.router.add_get("/peer/mem", lambda request: web.json_response(memory_stats(engine)))
+    app.router.add_post("/peer/reset_peak", lambda request: web.json_response(memory_stats(engine, reset=True)))
 
     async def started(app: web.Application) -> None:
         hub.start()

@@ -275,17 +275,23 @@ class Engine:
             events("execution_success", {"prompt_id": pid})
             return result
 
-    def run_queue(self, prompts: list[dict], *, extra_pnginfo: list[dict | None] | None = None,
-                  events: Events = _quiet) -> tuple[RunResult, list[list[Path]]]:
-        """Several prompts planned and run as one graph (see graph/queue.py); returns the run and each
-        prompt's images. Each saved PNG carries its own prompt, not the merged one."""
+    def prepare_queue(self, prompts: list[dict], extra_pnginfo: list[dict | None] | None = None
+                      ) -> tuple[Prepared, queue.Merged]:
+        """Several prompts merged into one graph (see graph/queue.py) and planned at once. Output nodes get
+        their own prompt and pnginfo as hidden inputs, so each saved PNG carries its own prompt."""
         extras = extra_pnginfo or [None] * len(prompts)
         merged = queue.merge(prompts, frozenset(k for k, c in self.nodes.items() if getattr(c, "OUTPUT_NODE", False)))
         prep = self.prepare(merged.prompt)
         hidden = {new: (prompts[i], extras[i]) for i, rename in enumerate(merged.members) for new in rename.values()
                   if prep.prompt.get(new, {}).get("class_type") in self.nodes
                   and getattr(self.nodes[prep.prompt[new]["class_type"]], "OUTPUT_NODE", False)}
-        result = self.run(dataclasses.replace(prep, hidden=hidden), events=events)
+        return dataclasses.replace(prep, hidden=hidden), merged
+
+    def run_queue(self, prompts: list[dict], *, extra_pnginfo: list[dict | None] | None = None,
+                  events: Events = _quiet) -> tuple[RunResult, list[list[Path]]]:
+        """Run several prompts planned as one graph; returns the run and each prompt's images."""
+        prep, merged = self.prepare_queue(prompts, extra_pnginfo)
+        result = self.run(prep, events=events)
         images = []
         for rename in merged.members:
             mine = []

@@ -28,6 +28,8 @@ class Entry:
     host: dict[str, torch.Tensor] | None = None  # host copies of every parameter and buffer
     pinned: bool = False
     on_device: bool = False
+    flat: torch.Tensor | None = None  # the one pinned buffer every host tensor is a view of
+    gpu_flat: torch.Tensor | None = None  # its GPU copy while loaded
 
 
 @dataclass
@@ -66,12 +68,13 @@ class Ledger:
         spec = e.info.spec
         if spec is None:
             raise RuntimeError(f"{e.info.label} '{e.info.key}' has no checkpoint file; it can be planned, not run")
-        module = loading.load(spec, dtype=DTYPES[e.info.dtype], device="cpu")
+        pinned = pin and self.device.type == "cuda"
+        module = loading.load(spec, dtype=DTYPES[e.info.dtype], device="pinned" if pinned else "cpu")
         module.requires_grad_(False).eval()
         tensors = self._tensors(module)
-        if pin and self.device.type == "cuda":
-            for t in tensors.values():
-                t.data = t.data.pin_memory()
+        if pinned:  # every tensor is a view of one page-locked buffer (models.common.pinned_arena)
+            storage = next(iter(tensors.values())).untyped_storage()
+            e.flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
             e.pinned = True
         e.module, e.host = module, {n: t.data for n, t in tensors.items()}
 
@@ -94,7 +97,15 @@ class Ledger:
         else:
             if e.host is None:
                 self._build_host(e, pin=self.device.type == "cuda")
-            if self.device.type != "cpu":
+            if e.flat is not None:  # one copy of the whole pinned buffer, then views at the same offsets
+                e.gpu_flat = torch.empty(e.flat.shape, dtype=torch.uint8, device=self.device)
+                e.gpu_flat.copy_(e.flat, non_blocking=True)
+                for name, t in self._tensors(e.module).items():
+                    h = e.host[name]
+                    off = h.storage_offset() * h.element_size()
+                    t.data = e.gpu_flat[off:off + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
+                torch.cuda.synchronize(self.device)
+            elif self.device.type != "cpu":
                 for name, t in self._tensors(e.module).items():
                     t.data = e.host[name].to(self.device, non_blocking=True)
                 torch.cuda.synchronize(self.device)
@@ -105,10 +116,11 @@ class Ledger:
         e = self.entries[key]
         t0 = time.perf_counter()
         if to == "drop" or e.host is None:
-            e.module, e.host, e.pinned = None, None, False
+            e.module, e.host, e.pinned, e.flat = None, None, False, None
         elif self.device.type != "cpu":
             for name, t in self._tensors(e.module).items():
                 t.data = e.host[name]
+        e.gpu_flat = None
         e.on_device = False
         self.events.append(Event("unload", key, to, time.perf_counter() - t0, e.info.nbytes))
 

@@ -176,13 +176,36 @@ def check_plain(sources: Mapping[str, Source], infos: Mapping[str, TensorInfo]) 
                                       "supported; use the bf16 or fp32 file of this model")
 
 
+ALIGN = 256
+
+
+def pinned_arena(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Views into ONE page-locked host buffer, one per named (shape, dtype), each 256-byte aligned.
+
+    A model whose weights live in one pinned buffer moves to the GPU as a single copy at the host
+    link's full speed, and back by dropping the GPU copy.
+    """
+    offsets, total = {}, 0
+    for name, (shape, dt) in shapes.items():
+        offsets[name] = total
+        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        total += -(-nbytes // ALIGN) * ALIGN
+    flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+    views = {}
+    for name, (shape, dt) in shapes.items():
+        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        views[name] = flat[offsets[name]:offsets[name] + nbytes].view(dt).view(shape)
+    return views
+
+
 def load_weights(build: Callable[[], nn.Module], sources: Mapping[str, Source], infos: Mapping[str, TensorInfo], *,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> nn.Module:
     """Build a module on the meta device and fill it from checkpoint tensors, one tensor at a time.
 
     `sources` names, for every parameter and buffer of the module, where it comes from. Floating
     tensors are cast to `dtype`; each is moved to `device` as soon as it is read, so host memory
-    holds at most the memory-mapped file plus one converted tensor.
+    holds at most the memory-mapped file plus one converted tensor. `device="pinned"` puts every
+    tensor into one page-locked host buffer (see `pinned_arena`), read straight from the file.
     """
     with torch.device("meta"):
         module = build()
@@ -191,11 +214,18 @@ def load_weights(build: Callable[[], nn.Module], sources: Mapping[str, Source], 
     if missing:
         raise CheckpointError(f"no source for {len(missing)} weights, e.g. {missing[:3]}")
     check_plain(sources, infos)
+    arena = None
+    if str(device) == "pinned":
+        arena = pinned_arena({n: (tuple(w.shape), dtype if w.is_floating_point() else w.dtype)
+                              for n, w in wanted.items()})
     files = _Files(infos)
     state = {}
     try:
         for name, target in wanted.items():
             t = sources[name].make(files.get, tuple(target.shape))
+            if arena is not None:
+                state[name] = arena[name].copy_(t)
+                continue
             t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, non_blocking=False)
             state[name] = t
     finally:

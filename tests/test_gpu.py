@@ -3,6 +3,8 @@ with diffusers on the GPU, in fp32 and bf16, and a seed gives the same starting 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import rel_l2, save
@@ -49,3 +51,36 @@ def test_transformer_bf16_on_gpu_matches_diffusers():
                    img_ids=ids.cuda(), txt_ids=flux2.text_ids(16).cuda(), guidance=None, return_dict=False)[0][:, :24]
         got = ours(img, ctx, sigma, flux2.rope_table(ours.cfg, torch.cat([flux2.text_ids(16), ids]), "cuda"), 24)
     assert rel_l2(got.float(), want.float()) < 3e-2
+
+
+@pytest.mark.gpu
+def test_planned_swaps_on_the_gpu_give_the_same_image(tmp_path):
+    """Tight budget on CUDA: pinned one-buffer loads/unloads between nodes; same pixels as all resident."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from vramgraph.demo import SHIPPED_NAMES, write_tiny_models
+    from vramgraph.graph.budget import Budget
+    from vramgraph.graph.executor import Engine
+    from vramgraph.nodes.files import Folders
+
+    models = write_tiny_models(tmp_path / "models", names=SHIPPED_NAMES)
+    wf = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json").read_text())
+    wf["5"]["inputs"].update(width=128, height=128)
+    images = []
+    for budget in (None, "tight"):
+        folders = Folders(models=(models,), input=tmp_path, output=tmp_path / f"out-{budget}", temp=tmp_path / "t")
+        engine = Engine(folders, device="cuda")
+        if budget == "tight":
+            prep = engine.prepare(wf)
+            sizes = sorted(e.info.nbytes for e in engine.ledger.entries.values())
+            act = max(o.activation for c in prep.costs.values() for o in c.options)
+            engine.budget = Budget(gpu=sizes[-1] + sizes[0] + act + 2**20, host=8 * 2**30)
+        for i in range(2):
+            wf["4"]["inputs"]["text"] = f"prompt {i}"
+            result = engine.run(wf)
+        if budget == "tight":
+            assert result.unloads > 0 and all(e.pinned for e in engine.ledger.entries.values())
+        images.append(np.asarray(Image.open(result.images[0])))
+    assert np.array_equal(images[0], images[1])

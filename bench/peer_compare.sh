@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The real ComfyUI and `vramgraph serve` side by side on the H200: same full-size random-weight checkpoints,
+# same ComfyUI-API client, same graph of ComfyUI's core node types, a 12 GiB card and uncapped.
+# Run on the device from the repo root with the carry built by ../shared/tools/comfyui-peer/prepare.sh:
+#   run(command='bash bench/peer_compare.sh "cap12 uncapped"',
+#       carry=[".whl/peer", ".whl/ckpt_script", ".whl/wheels", ".whl/comfy.tar.xz", ".whl/tok"])
+# Writes $OUT/peer_compare.json (bench/peer_compare.py) with the PNGs and logs.
+set -u
+SETTINGS=${1:-"cap12 uncapped"}
+JOBS=${JOBS:-1024_s42,1024_s43,1024_s44,512_s42,2048_s42}
+R=$(pwd)
+L=/tmp/peerlogs
+P=/tmp/pngs
+OUT=${OUT:-/tmp/out}
+mkdir -p $L $P $OUT /tmp/emptyfe /tmp/cbase/custom_nodes /tmp/pkgs
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+export PYTHONUNBUFFERED=1
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/wheels/*.whl
+tar -xJf .whl/wheels/comfy_kitchen-0.2.24.tar.xz -C /tmp/site
+tar -xJf .whl/comfy.tar.xz -C /tmp
+ln -sfn "$R" /tmp/pkgs/vramgraph
+export PYTHONPATH=/tmp/site
+echo "== t=$(el) making checkpoints"
+python3 .whl/ckpt_script/make_checkpoints.py /tmp/ck --full --device cuda --dtype bf16 --comfy-only > $L/make_checkpoints.log 2>&1 \
+  || { tail -20 $L/make_checkpoints.log; exit 1; }
+ls -la /tmp/ck/comfyui/models/*/
+ln -sfn /tmp/ck/comfyui/models /tmp/cbase/models
+cp .whl/peer/peer_probe.py /tmp/cbase/custom_nodes/
+NVML_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print $1/1024}')
+RES_B=$(python3 -c "print(round($NVML_GIB - 12 + 1.2, 3))")
+echo "== t=$(el) checkpoints done; ComfyUI 12 GiB card: --reserve-vram $RES_B + torch cap 12 GiB"
+
+wait_down() { kill $1 2>/dev/null; sleep 2; kill -9 $1 2>/dev/null; wait $1 2>/dev/null; }
+
+comfy() {  # $1 label, rest: ComfyUI arguments
+  label=$1; shift
+  echo "== t=$(el) ComfyUI $label: $*"
+  COMFY_DIR=/tmp/comfy STUB_MODULES=av python3 .whl/peer/run_comfy.py --disable-api-nodes --front-end-root /tmp/emptyfe \
+    --base-directory /tmp/cbase --disable-auto-launch --port 8188 "$@" > $L/comfy_$label.log 2>&1 &
+  pid=$!
+  timeout 300 python3 .whl/peer/peer_bench.py --port 8188 --label $label --out $P --results $L/results_$label.json \
+    --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
+  timeout 200 python3 bench/peer_queue.py --port 8188 --label $label --out $L
+  if [ "${PACK_CHECK:-}" = "$label" ]; then
+    timeout 200 python3 bench/comfy_pack_check.py --port 8188 --out $L/pack_check.json || echo "pack check failed"
+  fi
+  wait_down $pid
+  grep -E "vramgraph|Traceback|Error" $L/comfy_$label.log | grep -v "comfy_kitchen backend" | head -20
+}
+
+ours() {  # $1 label, rest: vramgraph serve arguments
+  label=$1; shift
+  echo "== t=$(el) vramgraph $label: $*"
+  PYTHONPATH=/tmp/pkgs:/tmp/site python3 -m vramgraph serve --port 8189 --models /tmp/ck/comfyui/models \
+    --output /tmp/ours_out --input /tmp/ours_in "$@" > $L/ours_$label.log 2>&1 &
+  pid=$!
+  timeout 300 python3 .whl/peer/peer_bench.py --port 8189 --label $label --out $P --results $L/results_$label.json \
+    --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
+  timeout 200 python3 bench/peer_queue.py --port 8189 --label $label --out $L
+  wait_down $pid
+  grep -E "Traceback|Error" $L/ours_$label.log | head -20
+}
+
+for s in $SETTINGS; do
+  case $s in
+    cap12)    PEER_CAP_GIB=12 comfy comfy_cap12 --reserve-vram $RES_B; ours ours_cap12 --vram 12GiB ;;
+    uncapped) ln -sfn "$R" /tmp/cbase/custom_nodes/vramgraph
+              PACK_CHECK=comfy_uncapped comfy comfy_uncapped; rm -rf /tmp/cbase/custom_nodes/vramgraph
+              ours ours_uncapped ;;
+  esac
+done
+echo "== t=$(el) comparing"
+PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/peer_compare.json
+cp $P/*_1024_s42.png $P/*_512_s42.png $OUT/ 2>/dev/null
+(cd /tmp && tar -czf $OUT/peer_logs.tgz peerlogs)
+echo "== t=$(el) end"

@@ -371,8 +371,8 @@ def memory_stats(engine: Any, reset: bool = False) -> dict:
     return out
 
 
-def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False
-             ) -> web.Application:
+def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
+             batch: bool = True) -> web.Application:
     """The aiohttp application over `engine` (a graph.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -387,7 +387,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     planner = planner or Engine(engine.folders, device=str(engine.device), dtype=engine.dtype, budget=engine.budget,
                                 nodes=engine.nodes, cost=engine.cost, allow_builtin=True)
     queue, hub = PromptQueue(), Hub()
-    worker = Worker(engine, queue, hub, previews)
+    worker = Worker(engine, queue, hub, previews, batch=batch)
     routes = Routes(engine, queue, hub, worker, planner)
     app = web.Application(client_max_size=256 * 2**20)
     app[ROUTES] = routes

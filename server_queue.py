@@ -2,8 +2,16 @@
 
 `PromptQueue` is ComfyUI's queue (pending items ordered by number, the running one, the history);
 `Hub` holds the websockets and one ordered outgoing message queue on the event loop; `Worker` is the
-only thread that calls the engine: it runs one prompt at a time and turns the engine's events into
-ComfyUI's websocket messages and history entries.
+only thread that calls the engine: it turns the engine's events into ComfyUI's websocket messages and
+history entries.
+
+Batches: when the worker takes a prompt and more are already pending, it takes those too (up to
+`max_batch`, in queue order) and runs them as one merged graph (graph/queue.py), so N images share one
+load of each model. Every client still sees ComfyUI's per-prompt events with its own node ids, and a
+prompt finishes (history entry, execution_success, executing None) as soon as its last node has run.
+If a node of the batch fails, the prompts not yet complete run again one by one, so each error is
+reported as it would be alone; an interrupt (/interrupt with any of its prompt ids, or none) interrupts every
+incomplete prompt of the batch. Prompts not yet taken stay in the queue, where /queue can delete them.
 """
 
 from __future__ import annotations
@@ -17,13 +25,16 @@ import logging
 import struct
 import threading
 import time
+import uuid
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 log = logging.getLogger("vramgraph.server")
 MAX_HISTORY = 1000
+MAX_BATCH = 16  # prompts planned together at most
 PREVIEW_IMAGE = 1  # ComfyUI's binary event type; then 4 bytes of image format (1 JPEG, 2 PNG), then the image
 IMAGE_FORMATS = {"JPEG": 1, "PNG": 2}
 Item = tuple  # (number, prompt_id, prompt, extra_data, outputs_to_execute): a queue entry as ComfyUI lists it
@@ -61,6 +72,16 @@ class PromptQueue:
             self.running[item[1]] = item
             return item
 
+    def take(self, limit: int) -> list[Item]:
+        """Up to `limit` more pending items at once, in queue order (now running); never waits."""
+        with self._cond:
+            items: list[Item] = []
+            while self._pending and len(items) < limit:
+                item = heapq.heappop(self._pending)[2]
+                self.running[item[1]] = item
+                items.append(item)
+            return items
+
     def done(self, prompt_id: str, entry: dict) -> None:
         """Store the history entry, then mark the prompt finished (clients read history once the queue is empty)."""
         with self._cond:
@@ -68,6 +89,12 @@ class PromptQueue:
             while len(self.history) > self.max_history:
                 self.history.popitem(last=False)
             self.running.pop(prompt_id, None)
+
+    def update_history(self, prompt_id: str, key: str, value: Any) -> None:
+        """Replace one field of a written history entry (a batch's full report, once the batch has ended)."""
+        with self._cond:
+            if prompt_id in self.history:
+                self.history[prompt_id] = {**self.history[prompt_id], key: value}
 
     def set_flag(self, name: str, value: bool) -> None:
         with self._cond:
@@ -175,8 +202,10 @@ class Hub:
 class Worker:
     """The one thread that owns the engine: takes prompts off the queue, runs them, reports events."""
 
-    def __init__(self, engine: Any, queue: PromptQueue, hub: Hub, previews: bool = False) -> None:
+    def __init__(self, engine: Any, queue: PromptQueue, hub: Hub, previews: bool = False, batch: bool = True,
+                 max_batch: int = MAX_BATCH) -> None:
         self.engine, self.queue, self.hub, self.previews = engine, queue, hub, previews
+        self.batch, self.max_batch = batch, max_batch  # plan the prompts pending together (see the module doc)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.client_id: str | None = None  # the running prompt's client
@@ -202,10 +231,16 @@ class Worker:
         while not self._stop.is_set():
             item = self.queue.get(timeout=1.0)
             if item is not None:
+                items = [item, *(self.queue.take(self.max_batch - 1) if self.batch and self.max_batch > 1 else [])]
                 try:
-                    self.execute(item)
+                    if len(items) == 1:
+                        self.execute(item)
+                    else:
+                        self.execute_batch(items)
                 except Exception:  # the worker must survive anything a prompt does
-                    log.exception("prompt %s: unexpected failure", item[1])
+                    log.exception("prompt(s) %s: unexpected failure", ", ".join(i[1] for i in items))
+                finally:
+                    self._settle(items)
             flags = self.queue.take_flags()
             if flags.get("unload_models") or flags.get("free_memory"):
                 self.engine.free(bool(flags.get("unload_models")), bool(flags.get("free_memory")))
@@ -215,7 +250,7 @@ class Worker:
         from .graph.planner import PlanError
         from .graph.timeline import timeline_data
 
-        number, pid, prompt, extra, outputs = item[:5]
+        pid, prompt, extra = item[1:4]
         sid = extra.get("client_id")
         self.client_id, self.last_node = sid, None
         messages: list[list] = []
@@ -263,8 +298,7 @@ class Worker:
                 self.hub.send_threadsafe(PREVIEW_IMAGE, encode_preview(data["image"]), sid)
 
         emit("execution_start", {"prompt_id": pid, "timestamp": _now_ms()}, keep=True)
-        method = extra.get("preview_method")
-        self.engine.previews = self.previews if method is None else str(method).lower() != "none"
+        self.engine.previews = self._wants_previews(extra)
         result = None
         try:
             prep = self.engine.prepare(prompt)
@@ -289,14 +323,223 @@ class Worker:
                                      "traceback": [], "current_inputs": {}, "current_outputs": {},
                                      "timestamp": _now_ms()}, keep=True)
         ok = result is not None
-        entry = {"prompt": [number, pid, prompt, extra, outputs], "outputs": ui,
-                 "status": {"status_str": "success" if ok else "error", "completed": ok, "messages": messages},
-                 "meta": {n: {"node_id": n, "display_node": n, "parent_node": None, "real_node_id": n} for n in ui},
-                 "vramgraph": result.to_json() if ok else {"plan": plan, "executed": ran}}
+        entry = _entry(item, ui, ok, messages, result.to_json() if ok else {"plan": plan, "executed": ran})
         self.queue.done(pid, entry)
         self.client_id, self.last_node, self.plan_message = None, None, None
         self.hub.send_threadsafe("status", {"status": self.status()})
         self.hub.send_threadsafe("executing", {"node": None, "prompt_id": pid}, sid)
 
+    def _wants_previews(self, extra: dict) -> bool:
+        method = extra.get("preview_method")
+        return self.previews if method is None else str(method).lower() != "none"
 
-__all__ = ["IMAGE_FORMATS", "PREVIEW_IMAGE", "Hub", "PromptQueue", "Worker", "encode_preview"]
+    def _send(self, m: _Member, kind: str, data: dict, keep: bool = False) -> None:
+        if keep:
+            m.messages.append([kind, data])
+        self.hub.send_threadsafe(kind, data, m.sid)
+
+    def _end(self, m: _Member, entry: dict) -> None:
+        """A batch's prompt is over: its history entry, the queue's status, then the end of its execution."""
+        m.done = True
+        self.queue.done(m.pid, entry)
+        self.hub.send_threadsafe("status", {"status": self.status()})
+        self.hub.send_threadsafe("executing", {"node": None, "prompt_id": m.pid}, m.sid)
+
+    def execute_batch(self, items: list[Item]) -> None:
+        """Run several queued prompts as one merged graph, each reported to its client as if it ran alone."""
+        from .graph.errors import InterruptedRun
+        from .graph.timeline import timeline_data
+
+        try:
+            prep, merged = self.engine.prepare_queue([i[2] for i in items], [i[3].get("extra_pnginfo") for i in items])
+        except Exception as e:  # PlanError, ValidationFailed, ...: alone, each prompt reports its own error
+            log.warning("%d prompts not planned together (%s: %s); running them one by one", len(items),
+                        type(e).__name__, e)
+            for item in items:
+                self.execute(item)
+            return
+        batch_id, pids = uuid.uuid4().hex, [i[1] for i in items]
+        planned = set(prep.plan.order)
+        members = [_Member(k, item, dict(rename), self._wants_previews(item[3]), {n for n in rename.values()
+                                                                                  if n in planned})
+                   for k, (item, rename) in enumerate(zip(items, merged.members, strict=True))]
+        owners: dict[str, list[tuple[_Member, str]]] = {}  # merged id -> (prompt, its own id), shared nodes: several
+        for m in members:
+            for orig, new in m.rename.items():
+                owners.setdefault(new, []).append((m, orig))
+        plan_json = prep.plan.to_json()
+        plan_messages: dict[str | None, dict] = {}
+        nodes: list[dict] = []  # the batch's node reports so far
+        images: list[str] = []
+        moves = {"load": 0, "unload": 0}
+        t0 = time.perf_counter()
+
+        def about(m: _Member) -> dict:
+            return {"batch": {"id": batch_id, "prompt_ids": pids, "index": m.index}, "members": m.rename}
+
+        def report(m: _Member, result: Any = None) -> dict:
+            if result is not None:
+                return {**result.to_json(), **about(m)}
+            return {"prompt_id": batch_id, "seconds": round(time.perf_counter() - t0, 4), "loads": moves["load"],
+                    "unloads": moves["unload"], "cached": list(prep.cached), "images": list(images),
+                    "nodes": list(nodes), "plan": plan_json, "partial": True, **about(m)}
+
+        def finish(m: _Member) -> None:
+            self._send(m, "execution_success", {"prompt_id": m.pid, "timestamp": _now_ms()}, keep=True)
+            self._end(m, _entry(m.item, m.ui, True, m.messages, report(m)))
+
+        def follow(m: _Member, node: str | None) -> None:  # what a page that reconnects now is told
+            base = plan_messages.get(m.sid) or plan_messages.get(None)
+            self.client_id, self.last_node = m.sid, node
+            self.plan_message = {**base, "prompt_id": m.pid} if base else None
+
+        def events(kind: str, data: dict) -> None:
+            node = data.get("node")
+            if kind == "plan":
+                timeline = timeline_data(prep.plan)
+                for sid, first in _clients(members).items():
+                    plan_messages[sid] = {"prompt_id": first.pid, "prompt_ids": pids, "batch": batch_id,
+                                          "members": {m.pid: m.rename for m in members}, "plan": plan_json,
+                                          "timeline": timeline}
+                    self.hub.send_threadsafe("vramgraph.plan", plan_messages[sid], sid)
+                follow(members[0], None)
+                for m in members:
+                    cached = [orig for orig, new in m.rename.items() if new in prep.cached]
+                    if cached:
+                        m.ran.extend(cached)
+                        self._send(m, "execution_cached", {"prompt_id": m.pid, "nodes": cached,
+                                                           "timestamp": _now_ms()}, keep=True)
+                    for orig in cached:  # as ComfyUI: a cached output node shows its last output again
+                        ui = self.ui_cache.get(prep.signatures.get(m.rename[orig], ""))
+                        if ui is not None:
+                            m.ui[orig] = ui
+                            self._send(m, "executed", {"node": orig, "display_node": orig, "output": ui,
+                                                       "prompt_id": m.pid})
+                    if not m.left:
+                        finish(m)
+            elif kind == "executing" and node is not None:
+                for m, orig in owners.get(node, ()):
+                    follow(m, orig)
+                    self._send(m, "executing", {"node": orig, "display_node": orig, "prompt_id": m.pid})
+            elif kind == "progress":
+                for m, orig in owners.get(node, ()):
+                    self._send(m, "progress", {**data, "node": orig, "prompt_id": m.pid})
+            elif kind == "executed":
+                output = data.get("output")
+                variant = prep.plan.variant_of(node)
+                nodes.append({"node": node, "class_type": prep.prompt[node]["class_type"], "variant": variant,
+                              "seconds": data.get("seconds", 0.0), "measured_bytes": 0, "predicted_bytes": next(
+                                  (o.activation for o in prep.costs[node].options if o.name == variant), 0)})
+                if output is not None:
+                    if len(self.ui_cache) > MAX_HISTORY:
+                        self.ui_cache.clear()
+                    self.ui_cache[prep.signatures[node]] = output
+                    folders = self.engine.folders
+                    images.extend(str((folders.output if im.get("type") == "output" else folders.temp)
+                                      / im.get("subfolder", "") / im["filename"]) for im in output.get("images", []))
+                for m, orig in owners.get(node, ()):
+                    m.ran.append(orig)
+                    if output is not None:
+                        m.ui[orig] = output
+                        self._send(m, "executed", {"node": orig, "display_node": orig, "output": output,
+                                                   "prompt_id": m.pid})
+                for m in dict.fromkeys(m for m, _ in owners.get(node, ())):
+                    m.left.discard(node)
+                    if not m.left and not m.done:
+                        finish(m)
+            elif kind == "vg_step":
+                moves[data["kind"]] = moves.get(data["kind"], 0) + 1
+                for sid, first in _clients([m for m in members if not m.done]).items():
+                    self.hub.send_threadsafe("vramgraph.step", {**data, "prompt_id": first.pid, "prompt_ids": pids},
+                                             sid)
+            elif kind == "preview":
+                wanted = [m for m, _ in owners.get(node, ()) if m.previews]
+                if wanted:
+                    frame = encode_preview(data["image"])
+                    for sid in _clients(wanted):
+                        self.hub.send_threadsafe(PREVIEW_IMAGE, frame, sid)
+
+        for m in members:
+            self._send(m, "execution_start", {"prompt_id": m.pid, "timestamp": _now_ms()}, keep=True)
+        self.engine.previews = any(m.previews for m in members)
+        try:
+            result = self.engine.run(prep, prompt_id=batch_id, events=events)
+        except InterruptedRun as e:
+            for m in members:
+                if not m.done:
+                    orig = next((o for mm, o in owners.get(e.node_id or "", ()) if mm is m), None)
+                    self._send(m, "execution_interrupted", {
+                        "prompt_id": m.pid, "node_id": orig, "node_type": e.class_type if orig else None,
+                        "executed": list(m.ran), "timestamp": _now_ms()}, keep=True)
+                    self._end(m, _entry(m.item, m.ui, False, m.messages,
+                                        {"plan": plan_json, "executed": list(m.ran), **about(m)}))
+        except Exception as e:  # a node failed: the prompts not complete run alone, each reporting its own error
+            left = [m for m in members if not m.done]
+            log.warning("batch %s failed (%s: %s); running its %d incomplete prompt(s) one by one", batch_id,
+                        type(e).__name__, e, len(left))
+            self.client_id, self.last_node, self.plan_message = None, None, None
+            for m in left:
+                self.execute(m.item)
+        else:
+            for m in members:
+                if not m.done:
+                    finish(m)
+            for m in members:  # the whole run's report, now that it has ended
+                self.queue.update_history(m.pid, "vramgraph", report(m, result))
+        finally:
+            self.client_id, self.last_node, self.plan_message = None, None, None
+
+    def _settle(self, items: list[Item]) -> None:
+        """Any taken prompt left running by a failure of the worker itself ends with an error."""
+        running = self.queue.running
+        for item in items:
+            if item[1] in running:
+                m = _Member(0, item, {}, False)
+                self._send(m, "execution_error", {
+                    "prompt_id": m.pid, "node_id": "", "node_type": "", "executed": [],
+                    "exception_message": "the server's worker failed; see its log", "exception_type": "RuntimeError",
+                    "traceback": [], "current_inputs": {}, "current_outputs": {}, "timestamp": _now_ms()}, keep=True)
+                self._end(m, _entry(item, {}, False, m.messages, {}))
+
+
+@dataclass(eq=False)
+class _Member:
+    """One prompt of a batch: its queue item, its node ids in the merged graph, what it has been told."""
+
+    index: int
+    item: Item
+    rename: dict[str, str]  # its node id -> the merged graph's
+    previews: bool
+    left: set[str] = field(default_factory=set)  # merged ids of its nodes in the plan that have still to run
+    messages: list[list] = field(default_factory=list)
+    ui: dict[str, dict] = field(default_factory=dict)
+    ran: list[str] = field(default_factory=list)  # its node ids done, cached or run
+    done: bool = False
+
+    @property
+    def pid(self) -> str:
+        return self.item[1]
+
+    @property
+    def sid(self) -> str | None:
+        return self.item[3].get("client_id")
+
+
+def _clients(members: list[_Member]) -> dict[str | None, _Member]:
+    """The distinct clients of `members`, each with its first prompt; None (no client id: every client) alone."""
+    firsts: dict[str | None, _Member] = {}
+    for m in members:
+        firsts.setdefault(m.sid, m)
+    return {None: firsts[None]} if None in firsts else firsts
+
+
+def _entry(item: Item, ui: dict, ok: bool, messages: list, report: dict) -> dict:
+    """A ComfyUI /history entry."""
+    number, pid, prompt, extra, outputs = item[:5]
+    return {"prompt": [number, pid, prompt, extra, outputs], "outputs": ui,
+            "status": {"status_str": "success" if ok else "error", "completed": ok, "messages": messages},
+            "meta": {n: {"node_id": n, "display_node": n, "parent_node": None, "real_node_id": n} for n in ui},
+            "vramgraph": report}
+
+
+__all__ = ["IMAGE_FORMATS", "MAX_BATCH", "PREVIEW_IMAGE", "Hub", "PromptQueue", "Worker", "encode_preview"]

@@ -432,3 +432,242 @@ def test_page_and_scripts_are_served(server):
         r = requests.get(f"{server.url}/web/{name}", timeout=10)
         assert r.status_code == 200 and "javascript" in r.headers["Content-Type"], name
     assert requests.get(server.url + "/web/style.css", timeout=10).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------ batches
+
+
+def tight_engine(folders: Any) -> Any:
+    """An engine whose budget holds the text encoder or the transformer, never both (a 12 GiB card's case)."""
+    from vramgraph.graph.budget import Budget
+    from vramgraph.graph.executor import Engine
+
+    probe = Engine(folders, nodes=NODES)
+    prep = probe.prepare(text_to_image())
+    sizes = {e.info.label: e.info.nbytes for e in probe.ledger.entries.values()}
+    act = max(o.activation for c in prep.costs.values() for o in c.options)
+    assert sizes["text encoder"] + sizes["transformer"] > max(sizes["text encoder"], sizes["transformer"]) + 2**20
+    gpu = max(sizes["text encoder"], sizes["transformer"]) + sizes["vae"] + act + 2**20
+    return Engine(folders, nodes=NODES, budget=Budget(gpu=gpu, host=8 * 2**30))
+
+
+def batch_prompts(tag: str) -> list[dict]:
+    prompts = []
+    for i, (text, seed) in enumerate([("a red fox in the snow", 1), ("a blue boat", 2), ("a green hill", 3)]):
+        p = text_to_image()
+        p["4"]["inputs"]["text"] = text
+        p["6"]["inputs"]["seed"] = seed
+        p["8"]["inputs"]["filename_prefix"] = f"batch/{tag}_{i}"
+        prompts.append(p)
+    return prompts
+
+
+async def _run_queued(url: str, bodies: list[dict], start: Any) -> tuple[dict[str, list], dict[str, list], list[str]]:
+    """Connect every body's client, queue the bodies (worker paused), call `start`, collect each client's
+    messages and binary frames until every prompt has ended."""
+    import aiohttp
+
+    clients = list(dict.fromkeys(b["client_id"] for b in bodies))
+    msgs: dict[str, list] = {c: [] for c in clients}
+    frames: dict[str, list] = {c: [] for c in clients}
+    async with aiohttp.ClientSession() as s:
+        sockets = {c: await s.ws_connect(f"{url.replace('http', 'ws')}/ws?clientId={c}") for c in clients}
+        for ws in sockets.values():
+            await ws.receive_json(timeout=10)
+        pids = []
+        for b in bodies:
+            async with s.post(url + "/prompt", json=b) as r:
+                assert r.status == 200, await r.text()
+                pids.append((await r.json())["prompt_id"])
+        start()
+        waiting = {c: {p for p, b in zip(pids, bodies, strict=True) if b["client_id"] == c} for c in clients}
+
+        async def collect(c: str) -> None:
+            while waiting[c]:
+                m = await sockets[c].receive(timeout=TIMEOUT)
+                if m.type == aiohttp.WSMsgType.BINARY:
+                    frames[c].append(m.data)
+                    continue
+                msg = json.loads(m.data)
+                msgs[c].append(msg)
+                if msg["type"] == "executing" and msg["data"]["node"] is None:
+                    waiting[c].discard(msg["data"]["prompt_id"])
+
+        await asyncio.gather(*(collect(c) for c in clients))
+        for ws in sockets.values():
+            await ws.close()
+    return msgs, frames, pids
+
+
+def _pixels(folders: Any, image: dict) -> Any:
+    import numpy as np
+
+    root = folders.output if image["type"] == "output" else folders.temp
+    return np.asarray(Image.open(root / image["subfolder"] / image["filename"]))
+
+
+def _loads(engine: Any) -> list[str]:
+    return [e.model for e in engine.ledger.events if e.kind == "load"]
+
+
+def test_queued_prompts_run_as_one_batch(folders):
+    """Three prompts waiting when the worker starts: one merged plan, each model loaded once, and every client
+    sees ComfyUI's events for its own prompts with their own node ids, each ending as soon as its image exists."""
+    from vramgraph.server import ROUTES, ServerThread, make_app
+
+    engine = tight_engine(folders)
+    app = make_app(engine, start_worker=False)
+    bodies = [{"prompt": p, "client_id": "batch-a" if i != 1 else "batch-b",
+               "extra_data": {"preview_method": "auto" if i == 1 else "none"}}
+              for i, p in enumerate(batch_prompts("together"))]
+    with ServerThread(app) as srv:
+        msgs, frames, pids = asyncio.run(_run_queued(srv.url, bodies, app[ROUTES].worker.start))
+        history = {pid: wait_history(srv.url, pid) for pid in pids}
+        assert requests.get(srv.url + "/queue", timeout=10).json() == {"queue_running": [], "queue_pending": []}
+        loads = _loads(engine)
+        # again, behind the first prompt run alone (so its nodes, loaders included, are the ones cached): the
+        # first prompt ends at once from the cache with its image re-sent, the others reuse the cached loaders
+        engine._lock.acquire()  # the worker waits in the engine with the first prompt until the others are queued
+        try:
+            blocker = post(srv.url, "/prompt", {"prompt": bodies[0]["prompt"], "client_id": "blocker"}).json()
+            end = time.monotonic() + TIMEOUT
+            while [e[1] for e in requests.get(srv.url + "/queue", timeout=10).json()["queue_running"]] != \
+                    [blocker["prompt_id"]]:
+                assert time.monotonic() < end
+                time.sleep(0.02)
+        except BaseException:
+            engine._lock.release()
+            raise
+        again, _, again_pids = asyncio.run(_run_queued(srv.url, bodies, engine._lock.release))
+        assert wait_history(srv.url, blocker["prompt_id"])["status"]["status_str"] == "success"
+        again_history = {pid: wait_history(srv.url, pid) for pid in again_pids}
+    assert [m["data"]["prompt_ids"] for m in again["batch-a"] if m["type"] == "vramgraph.plan"] == [again_pids]
+    for i, pid in enumerate(again_pids):
+        seq = [m for c in again.values() for m in c if m["type"] != "status" and m["data"].get("prompt_id") == pid]
+        cached = [m["data"]["nodes"] for m in seq if m["type"] == "execution_cached"]
+        ran = [m["data"]["node"] for m in seq if m["type"] == "executing" and m["data"]["node"] is not None]
+        assert sorted(cached[0]) == ([str(n) for n in range(1, 9)] if i == 0 else ["1", "2", "3", "5"])
+        assert sorted(ran) == ([] if i == 0 else ["4", "6", "7", "8"])
+        assert [m["type"] for m in seq][-2:] == ["execution_success", "executing"]
+        assert again_history[pid]["status"]["status_str"] == "success"
+        assert (_pixels(folders, again_history[pid]["outputs"]["8"]["images"][0]) ==
+                _pixels(folders, history[pids[i]]["outputs"]["8"]["images"][0])).all()
+    a = [m for m in again["batch-a"] if m["type"] != "status"]
+    assert a.index(next(m for m in a if m["type"] == "executing" and m["data"]["node"] is None)) < \
+        a.index(next(m for m in a if m["type"] == "executing" and m["data"]["node"] is not None)), \
+        "the cached prompt ends before any node runs"
+
+    assert len(loads) == len(set(loads)) == 3, "each model loaded once for the three images"
+    mine = {"batch-a": [pids[0], pids[2]], "batch-b": [pids[1]]}
+    for client, own in mine.items():
+        plans = [m["data"] for m in msgs[client] if m["type"] == "vramgraph.plan"]
+        assert len(plans) == 1 and plans[0]["prompt_ids"] == pids, "one merged plan for the batch"
+        assert sorted(plans[0]["members"]) == sorted(pids)
+        assert {m["data"]["prompt_id"] for m in msgs[client] if m["type"] not in ("status",)} <= set(own)
+        for pid in own:
+            seq = [m for m in msgs[client] if m["type"] != "status" and m["data"].get("prompt_id") == pid]
+            kinds = [m["type"] for m in seq]
+            assert kinds[0] == "execution_start" and kinds[-2:] == ["execution_success", "executing"]
+            assert seq[-1]["data"]["node"] is None
+            nodes = [m["data"]["node"] for m in seq[:-1] if m["type"] == "executing"]
+            assert sorted(nodes) == [str(n) for n in range(1, 9)], "its own ids, shared loaders included"
+            assert all(m["data"]["display_node"] == m["data"]["node"] for m in seq[:-1] if m["type"] == "executing")
+            executed = [m["data"] for m in seq if m["type"] == "executed"]
+            assert [d["node"] for d in executed] == ["8"]
+            assert executed[0]["output"] == history[pid]["outputs"]["8"]
+            assert kinds.index("executed") < kinds.index("execution_success")
+            assert [m["data"]["node"] for m in seq if m["type"] == "progress"] == ["6", "6"]
+    # a prompt ends as soon as its image is saved, not when the batch ends
+    a = msgs["batch-a"]
+    first_end = next(i for i, m in enumerate(a) if m["type"] == "executing" and m["data"]["node"] is None)
+    assert a[first_end]["data"]["prompt_id"] == pids[0]
+    assert any(m["type"] == "executing" and m["data"]["prompt_id"] == pids[2] and m["data"]["node"] == "7"
+               for m in a[first_end:])
+    # previews only to the client that asked for them
+    assert len(frames["batch-b"]) == 2 and not frames["batch-a"]
+    for i, pid in enumerate(pids):
+        entry = history[pid]
+        assert entry["status"]["status_str"] == "success" and entry["prompt"][1] == pid
+        assert list(entry["outputs"]) == ["8"] and entry["meta"]["8"]["node_id"] == "8"
+        assert entry["status"]["messages"][0][0] == "execution_start"
+        assert entry["status"]["messages"][-1][0] == "execution_success"
+        report = entry["vramgraph"]
+        assert report["batch"]["prompt_ids"] == pids and report["batch"]["index"] == i
+        assert report["members"]["8"] == f"q{i}:8" and report["members"]["1"] == "q0:1"
+        assert report["loads"] == 3 and report["plan"]["steps"] and "partial" not in report
+
+    # the same prompts one at a time on a fresh server: the same images, bit for bit, and the models swap
+    alone = tight_engine(folders)
+    with ServerThread(make_app(alone, batch=False)) as srv:
+        for i, body in enumerate(bodies):
+            body = {**body, "prompt": batch_prompts("alone")[i], "extra_data": {}}
+            pid = post(srv.url, "/prompt", body).json()["prompt_id"]
+            entry = wait_history(srv.url, pid)
+            assert "batch" not in entry["vramgraph"]
+            ours = history[pids[i]]["outputs"]["8"]["images"][0]
+            theirs = entry["outputs"]["8"]["images"][0]
+            assert ours["filename"] != theirs["filename"]
+            assert (_pixels(folders, ours) == _pixels(folders, theirs)).all()
+    assert len(_loads(alone)) > 3
+
+
+def test_a_failing_prompt_in_a_batch(folders, monkeypatch):
+    """The decode of one prompt fails: the prompt completed before it stays successful, the others run again
+    alone, so the failing one reports its error with its own node id and the last one still succeeds."""
+    import vramgraph.nodes.ops as ops
+    from vramgraph.server import ROUTES, ServerThread, make_app
+
+    decode = ops.vae_decode
+
+    def wide_fails(vae: Any, samples: Any, variant: str = "gpu") -> Any:
+        if samples.shape[-1] > samples.shape[-2]:
+            raise RuntimeError("no wide images today")
+        return decode(vae, samples, variant)
+
+    monkeypatch.setattr(ops, "vae_decode", wide_fails)
+    prompts = batch_prompts("failing")
+    prompts[1]["5"]["inputs"]["width"] = 96
+    engine = tight_engine(folders)
+    app = make_app(engine, start_worker=False)
+    bodies = [{"prompt": p, "client_id": "fail-a"} for p in prompts]
+    with ServerThread(app) as srv:
+        msgs, _, pids = asyncio.run(_run_queued(srv.url, bodies, app[ROUTES].worker.start))
+        history = {pid: wait_history(srv.url, pid) for pid in pids}
+    plans = [m["data"] for m in msgs["fail-a"] if m["type"] == "vramgraph.plan"]
+    assert plans[0]["prompt_ids"] == pids and [p["prompt_id"] for p in plans[1:]] == pids[1:], "then one by one"
+    first, failed, last = (history[p] for p in pids)
+    assert first["status"]["status_str"] == "success" and first["vramgraph"]["batch"]["index"] == 0
+    assert last["status"]["status_str"] == "success" and "batch" not in last["vramgraph"], "ran again alone"
+    assert list(first["outputs"]) == list(last["outputs"]) == ["8"]
+    assert failed["status"]["status_str"] == "error" and failed["outputs"] == {}
+    kind, data = failed["status"]["messages"][-1]
+    assert kind == "execution_error" and data["prompt_id"] == pids[1]
+    assert data["node_id"] == "7" and data["node_type"] == "VGVAEDecode"
+    assert "no wide images today" in data["exception_message"]
+    errors = [m["data"] for m in msgs["fail-a"] if m["type"] == "execution_error"]
+    assert [(d["prompt_id"], d["node_id"]) for d in errors] == [(pids[1], "7")]
+    ends = [m["data"]["prompt_id"] for m in msgs["fail-a"] if m["type"] == "executing" and m["data"]["node"] is None]
+    assert ends == pids
+
+
+def test_interrupting_a_batch(folders):
+    """An interrupt stops the batch: every prompt of it not complete yet is interrupted."""
+    from vramgraph.server import ROUTES, ServerThread, make_app
+
+    app = make_app(tight_engine(folders), start_worker=False)
+    with ServerThread(app) as srv:
+        pids = [post(srv.url, "/prompt", {"prompt": {"1": {"class_type": "TestSlow", "inputs": {"steps": 300 + i}}},
+                                          "prompt_id": f"slow-{i}"}).json()["prompt_id"] for i in range(3)]
+        app[ROUTES].worker.start()
+        end = time.monotonic() + TIMEOUT
+        while app[ROUTES].worker.last_node is None:  # the batch's first node is running
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        assert [e[1] for e in requests.get(srv.url + "/queue", timeout=10).json()["queue_running"]] == pids
+        assert requests.post(srv.url + "/interrupt", json={"prompt_id": "slow-2"}, timeout=10).status_code == 200
+        entries = [wait_history(srv.url, pid) for pid in pids]
+    for entry in entries:
+        assert entry["status"]["status_str"] == "error"
+        assert entry["status"]["messages"][-1][0] == "execution_interrupted"
+    assert entries[0]["status"]["messages"][-1][1]["node_id"] == "1"
+    assert [e["status"]["messages"][-1][1]["prompt_id"] for e in entries] == pids

@@ -311,9 +311,7 @@ class Engine:
               extra_pnginfo: dict | None, events: Events) -> None:
         step = ps.step
         if isinstance(step, planner.Load):
-            if step.pin:
-                self.ledger.pin(step.model)
-            self.ledger.load(step.model, "pinned" if step.pin else step.source)
+            self.ledger.load(step.model, step.source, pin=step.pin)
             result.loads += 1
             events("vg_step", {"step": i, "kind": "load", "model": step.model, "source": step.source})
         elif isinstance(step, planner.Unload):

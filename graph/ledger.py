@@ -1,15 +1,21 @@
 """The residency ledger: where every model's weights are (GPU, pinned host copy, only the file).
 
-Owned by the executor and changed only by the plan's Load/Unload steps. A model keeps one module
-object; its parameters point either at host tensors (pinned when the host budget allows) or at GPU
-copies of them, so an unload to the host moves nothing: the GPU copies are simply dropped. A model
-without a host copy is read from its memory-mapped file straight onto the GPU.
+Owned by the executor and changed only by the plan's Load/Unload steps; it decides nothing.
+
+- A model loaded from the file goes straight onto the GPU (memory-mapped reads, one tensor at a time).
+  If the plan wants a pinned copy (`Load(pin=True)`), that copy is read from the file into ONE
+  page-locked buffer by a background thread at the same time, off the critical path.
+- `Unload(to="pinned")` drops the GPU copy; nothing moves. A later `Load(source="pinned")` waits for the
+  pinned copy if it is still being read, then copies the whole buffer to the GPU in one transfer, at the
+  host link's full speed, and points the parameters at views of it.
+- `Unload(to="drop")` forgets the model's weights everywhere; a later load reads the file again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -22,14 +28,30 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
+class HostCopy:
+    module: torch.nn.Module  # parameters are views of `flat` (or plain CPU tensors without CUDA)
+    host: dict[str, torch.Tensor]  # name -> host tensor
+    flat: torch.Tensor | None  # the one pinned buffer, or None
+
+
+@dataclass
 class Entry:
     info: ModelInfo
-    module: torch.nn.Module | None = None  # exists while the weights are anywhere but the file
-    host: dict[str, torch.Tensor] | None = None  # host copies of every parameter and buffer
-    pinned: bool = False
+    copy: HostCopy | None = None  # the pinned (or CPU) host copy, once read
+    pending: Future | None = None  # the background read of that copy
+    gpu_module: torch.nn.Module | None = None  # a copy loaded straight from the file onto the GPU
+    gpu_flat: torch.Tensor | None = None  # the GPU copy of `copy.flat` while loaded from it
     on_device: bool = False
-    flat: torch.Tensor | None = None  # the one pinned buffer every host tensor is a view of
-    gpu_flat: torch.Tensor | None = None  # its GPU copy while loaded
+
+    @property
+    def pinned(self) -> bool:
+        return self.copy is not None or self.pending is not None
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        if self.gpu_module is not None:
+            return self.gpu_module
+        return self.copy.module if self.copy is not None else None
 
 
 @dataclass
@@ -41,11 +63,18 @@ class Event:
     nbytes: int
 
 
+def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    named = dict(module.named_parameters())
+    named.update(dict(module.named_buffers()))
+    return named
+
+
 @dataclass
 class Ledger:
     device: torch.device
     entries: dict[str, Entry] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
+    _pool: ThreadPoolExecutor | None = None
 
     def register(self, info: ModelInfo) -> None:
         if info.key not in self.entries:
@@ -57,57 +86,64 @@ class Ledger:
 
     @property
     def pinned(self) -> frozenset[str]:
-        return frozenset(k for k, e in self.entries.items() if e.host is not None)
+        return frozenset(k for k, e in self.entries.items() if e.pinned)
 
-    def _tensors(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        named = dict(module.named_parameters())
-        named.update(dict(module.named_buffers()))
-        return named
-
-    def _build_host(self, e: Entry, pin: bool) -> None:
-        spec = e.info.spec
-        if spec is None:
-            raise RuntimeError(f"{e.info.label} '{e.info.key}' has no checkpoint file; it can be planned, not run")
-        pinned = pin and self.device.type == "cuda"
-        module = loading.load(spec, dtype=DTYPES[e.info.dtype], device="pinned" if pinned else "cpu")
+    def _read_host(self, info: ModelInfo) -> HostCopy:
+        if info.spec is None:
+            raise RuntimeError(f"{info.label} '{info.key}' has no checkpoint file; it can be planned, not run")
+        pinned = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        module = loading.load(info.spec, dtype=DTYPES[info.dtype], device="pinned" if pinned else "cpu")
         module.requires_grad_(False).eval()
-        tensors = self._tensors(module)
+        tensors = _tensors(module)
+        flat = None
         if pinned:  # every tensor is a view of one page-locked buffer (models.common.pinned_arena)
             storage = next(iter(tensors.values())).untyped_storage()
-            e.flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-            e.pinned = True
-        e.module, e.host = module, {n: t.data for n, t in tensors.items()}
+            flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        self.events.append(Event("pin", info.key, "file", time.perf_counter() - t0, info.nbytes))
+        return HostCopy(module, {n: t.data for n, t in tensors.items()}, flat)
+
+    def _host(self, e: Entry) -> HostCopy:
+        """The host copy, waiting for its background read if it is still running."""
+        if e.pending is not None:
+            e.copy, e.pending = e.pending.result(), None
+        if e.copy is None:
+            e.copy = self._read_host(e.info)
+        return e.copy
 
     def pin(self, key: str) -> None:
-        """Read the file into (pinned) host memory, so later loads run at the host link's speed."""
+        """Start reading the pinned host copy from the file in the background (no-op if there is one)."""
         e = self.entries[key]
-        if e.host is None:
-            t0 = time.perf_counter()
-            self._build_host(e, pin=True)
-            self.events.append(Event("pin", key, "file", time.perf_counter() - t0, e.info.nbytes))
+        if e.copy is None and e.pending is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vramgraph-pin")
+            e.pending = self._pool.submit(self._read_host, e.info)
 
-    def load(self, key: str, source: str = "pinned") -> None:
+    def load(self, key: str, source: str = "pinned", pin: bool = False) -> None:
         e = self.entries[key]
         if e.on_device:
             return
         t0 = time.perf_counter()
-        if e.host is None and source == "file" and self.device.type == "cuda":
+        if pin:
+            self.pin(key)
+        if source == "file" and self.device.type == "cuda":
+            if e.info.spec is None:
+                raise RuntimeError(f"{e.info.label} '{e.info.key}' has no checkpoint file; it can be planned, not run")
             module = loading.load(e.info.spec, dtype=DTYPES[e.info.dtype], device=self.device)
-            e.module = module.requires_grad_(False).eval()
+            e.gpu_module = module.requires_grad_(False).eval()
         else:
-            if e.host is None:
-                self._build_host(e, pin=self.device.type == "cuda")
-            if e.flat is not None:  # one copy of the whole pinned buffer, then views at the same offsets
-                e.gpu_flat = torch.empty(e.flat.shape, dtype=torch.uint8, device=self.device)
-                e.gpu_flat.copy_(e.flat, non_blocking=True)
-                for name, t in self._tensors(e.module).items():
-                    h = e.host[name]
+            copy = self._host(e)
+            if copy.flat is not None:  # one copy of the whole pinned buffer, then views at the same offsets
+                e.gpu_flat = torch.empty(copy.flat.shape, dtype=torch.uint8, device=self.device)
+                e.gpu_flat.copy_(copy.flat, non_blocking=True)
+                for name, t in _tensors(copy.module).items():
+                    h = copy.host[name]
                     off = h.storage_offset() * h.element_size()
                     t.data = e.gpu_flat[off:off + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
                 torch.cuda.synchronize(self.device)
             elif self.device.type != "cpu":
-                for name, t in self._tensors(e.module).items():
-                    t.data = e.host[name].to(self.device, non_blocking=True)
+                for name, t in _tensors(copy.module).items():
+                    t.data = copy.host[name].to(self.device, non_blocking=True)
                 torch.cuda.synchronize(self.device)
         e.on_device = True
         self.events.append(Event("load", key, source, time.perf_counter() - t0, e.info.nbytes))
@@ -115,20 +151,24 @@ class Ledger:
     def unload(self, key: str, to: str = "pinned") -> None:
         e = self.entries[key]
         t0 = time.perf_counter()
-        if to == "drop" or e.host is None:
-            e.module, e.host, e.pinned, e.flat = None, None, False, None
-        elif self.device.type != "cpu":
-            for name, t in self._tensors(e.module).items():
-                t.data = e.host[name]
+        e.gpu_module = None
+        if e.copy is not None and self.device.type != "cpu":  # the host copy's parameters point home again
+            for name, t in _tensors(e.copy.module).items():
+                t.data = e.copy.host[name]
         e.gpu_flat = None
+        if to == "drop":
+            if e.pending is not None:
+                e.pending.cancel()
+            e.copy, e.pending = None, None
         e.on_device = False
         self.events.append(Event("unload", key, to, time.perf_counter() - t0, e.info.nbytes))
 
     def module(self, key: str) -> torch.nn.Module:
         e = self.entries.get(key)
-        if e is None or e.module is None:
+        module = e.module if e is not None else None
+        if module is None:
             raise RuntimeError(f"model {key} is not loaded; the plan must load it before the node that uses it")
-        return e.module
+        return module
 
     def forget(self, keep: set[str]) -> None:
         """Drop models no cached output refers to any more."""

@@ -11,11 +11,12 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    a ready node that would exceed it is passed over, which falls back to finishing the earlier chains
    first. Residency in this pass is a rough sketch (least recently used models leave when the budget is
    exceeded); the real residency is decided in pass 3.
-2. **Pinned copies** (`_choose_pins`). Models are given a pinned host copy while host RAM allows
-   (`budget.host` minus the peak of live outputs), models loaded most often first, then the largest. A pinned
-   copy is made while loading from the file (`Load(pin=True)`) and kept: later unloads free the GPU copy only
-   (`Unload(to="pinned")`) and reloads run at pinned PCIe speed. Without a pinned copy an unload drops
-   the weights (`Unload(to="drop")`) and the reload reads the file again.
+2. **Pinned copies** (`_choose_pins`). Only a model that gets unloaded (in this run or, with `repeat`, in the
+   next one) is ever reloaded, so only such models get a pinned host copy, while host RAM allows
+   (`budget.host` minus the peak of live outputs), models loaded most often first, then the largest. The copy
+   is read from the file in the background when the model is first loaded (`Load(pin=True)`) and kept: later
+   unloads free the GPU copy only (`Unload(to="pinned")`) and reloads run at pinned PCIe speed. Without a
+   pinned copy an unload drops the weights (`Unload(to="drop")`) and the reload reads the file again.
 3. **Residency and variants** (`_assign`). Weights are like registers. Before each Run the chosen variant's
    models must be resident; unloads happen only when resident weights + missing weights + the variant's
    activation exceed `budget.gpu`. Models the node does not need are evicted in order of their eviction
@@ -511,10 +512,11 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
 
 
 def _choose_pins(first: _Assigned, sizes: _Sizes, costs: Mapping[str, NodeCost], order: list[str],
-                 start: Residency, room: int) -> frozenset[str]:
-    """Pass 2: the models that get a pinned copy: start's, then while host RAM allows the most loaded ones,
-    the largest first among equals (a pinned reload saves time in proportion to bytes)."""
-    used = dict.fromkeys(m for n in order for v in costs[n].variants for m in v.models)
+                 start: Residency, room: int, evicted: set[str]) -> frozenset[str]:
+    """Pass 2: the models that get a pinned copy: start's, then among the models that get unloaded (only they
+    are ever reloaded), while host RAM allows, the most loaded ones, the largest first among equals (a
+    pinned reload saves time in proportion to bytes)."""
+    used = dict.fromkeys(m for n in order for v in costs[n].variants for m in v.models if m in evicted)
     rank = {m: (-first.loads[m], -sizes.w(m), k) for k, m in enumerate(used)}
     pins = set(start.pinned)
     for m in sorted((m for m in used if m not in pins), key=rank.__getitem__):
@@ -545,7 +547,12 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     order, peak_out = _order(dag, nodes, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
     everything = frozenset(models)
     first = _assign(order, costs, sizes, budget, cost, start, prov, everything, repeat)
-    pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes)
+    # a pinned copy pays only for a model that gets unloaded: in this run or, if it repeats, in the next one
+    evicted = {s.step.model for s in first.steps if isinstance(s.step, Unload)}
+    if repeat:
+        nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat)
+        evicted |= {s.step.model for s in nxt.steps if isinstance(s.step, Unload)}
+    pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
     used = {m for n in order for v in costs[n].variants for m in v.models}
     done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)
     return Plan(tuple(done.steps), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes})

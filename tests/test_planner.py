@@ -2,6 +2,10 @@
 
 Sizes are FLUX.2-klein-4B's (reference/anchors-h200.json): text encoder "te" 5.80 GiB, transformer "dit"
 7.22 GiB, VAE decoder "vae" 0.09 GiB. A card of C GiB gives a budget of C - 0.6 GiB (CUDA context).
+
+Pinned copies: only a model that the plan unloads (in this run or, with repeat, in the next one) is ever
+reloaded, so only such a model gets a pinned host copy (`Load(pin=True)`, later `Unload(to="pinned")`), while
+host RAM allows; a model never unloaded is loaded with `Load(model, "file")` and no pin.
 """
 
 from __future__ import annotations
@@ -98,15 +102,16 @@ FILE_PIN, PINNED = {"source": "file", "pin": True}, {"source": "pinned"}
 
 
 def test_everything_fits_no_unload():
-    """All three models fit together on an 80 GiB budget: load each once, never unload.
+    """All three models fit together on an 80 GiB budget: load each once, never unload, so none gets a
+    pinned copy (it would never be reloaded from it).
 
         enc ──► sample ──► decode
     """
     dag, costs = chains(1, suffix=False)
     p = plan(dag, costs, MODELS, Budget(gib(80), gib(64)))
-    assert steps(p) == [Load("te", **FILE_PIN), Run("enc", "gpu"), Load("dit", **FILE_PIN), Run("sample", "gpu"),
-                        Load("vae", **FILE_PIN), Run("decode", "gpu")]
-    assert p.end == Residency(frozenset(MODELS), frozenset(MODELS))
+    assert steps(p) == [Load("te", "file"), Run("enc", "gpu"), Load("dit", "file"), Run("sample", "gpu"),
+                        Load("vae", "file"), Run("decode", "gpu")]
+    assert p.end == Residency(frozenset(MODELS), frozenset())
     assert p.peak == gib(5.80) + gib(7.22) + gib(0.09) + gib(2.38)
     assert p.loads == 3 and p.bytes_moved == sum(m.nbytes for m in MODELS.values())
     again = plan(dag, costs, MODELS, Budget(gib(80), gib(64)), start=p.end)
@@ -120,12 +125,13 @@ def test_12gib_two_images_swap_encoder_and_transformer():
         enc ──► sample ──► decode          (run twice: image 2 starts from image 1's end)
 
     Image 2 swaps: unload dit, load te, encode, unload te, load dit, sample; the encoder never goes to the CPU.
+    te and dit, both unloaded, get pinned copies; the vae, never unloaded, does not.
     """
     dag, costs = chains(1, suffix=False)
     one, two = images(dag, costs, card(12), 2)
     assert steps(one) == [Load("te", **FILE_PIN), Run("enc", "gpu"), Unload("te", "pinned"),
-                          Load("dit", **FILE_PIN), Run("sample", "gpu"), Load("vae", **FILE_PIN), Run("decode", "gpu")]
-    assert one.end == Residency(frozenset({"dit", "vae"}), frozenset(MODELS))
+                          Load("dit", **FILE_PIN), Run("sample", "gpu"), Load("vae", "file"), Run("decode", "gpu")]
+    assert one.end == Residency(frozenset({"dit", "vae"}), frozenset({"te", "dit"}))
     assert steps(two) == [Unload("dit", "pinned"), Load("te", **PINNED), Run("enc", "gpu"), Unload("te", "pinned"),
                           Load("dit", **PINNED), Run("sample", "gpu"), Run("decode", "gpu")]
     assert one.variant_of("enc") == two.variant_of("enc") == "gpu"
@@ -135,7 +141,8 @@ def test_12gib_two_images_swap_encoder_and_transformer():
 
 def test_12gib_1536_decode_unloads_transformer_and_reloads_it_at_the_sampler():
     """12 GiB card, 1536²: the decode (0.09 + 5.35 GiB) does not fit beside dit (7.22): dit goes to its
-    pinned copy before the decode and comes back at the next image's sampler; the vae stays resident.
+    pinned copy before the decode and comes back at the next image's sampler; the vae stays resident (and,
+    never unloaded, gets no pinned copy).
 
         enc ──► sample ──► decode          (run twice)
     """
@@ -143,23 +150,24 @@ def test_12gib_1536_decode_unloads_transformer_and_reloads_it_at_the_sampler():
     one, two = images(dag, costs, card(12), 2)
     assert steps(one) == [Load("te", **FILE_PIN), Run("enc", "gpu"), Unload("te", "pinned"),
                           Load("dit", **FILE_PIN), Run("sample", "gpu"), Unload("dit", "pinned"),
-                          Load("vae", **FILE_PIN), Run("decode", "gpu")]
+                          Load("vae", "file"), Run("decode", "gpu")]
     assert steps(two) == [Load("te", **PINNED), Run("enc", "gpu"), Unload("te", "pinned"), Load("dit", **PINNED),
                           Run("sample", "gpu"), Unload("dit", "pinned"), Run("decode", "gpu")]
-    assert two.end == Residency(frozenset({"vae"}), frozenset(MODELS))
+    assert two.end == Residency(frozenset({"vae"}), frozenset({"te", "dit"}))
     assert [p.variant_of(n) for p in (one, two) for n in ("enc", "decode")] == ["gpu"] * 4
 
 
 def test_16gib_unloads_the_cheaper_model_for_the_decode():
     """16 GiB card, 1024²: te + dit fit (13.59 GiB), adding the decode (15.49) does not: the encoder, cheaper
     to reload than the transformer, makes room; tiled decode (0.34 s) loses to a 0.11 s pinned reload.
+    Only te is ever unloaded, so only te gets a pinned copy.
 
         enc ──► sample ──► decode          (run twice)
     """
     dag, costs = chains(1, suffix=False)
     one, two = images(dag, costs, card(16), 2)
-    assert steps(one) == [Load("te", **FILE_PIN), Run("enc", "gpu"), Load("dit", **FILE_PIN), Run("sample", "gpu"),
-                          Unload("te", "pinned"), Load("vae", **FILE_PIN), Run("decode", "gpu")]
+    assert steps(one) == [Load("te", **FILE_PIN), Run("enc", "gpu"), Load("dit", "file"), Run("sample", "gpu"),
+                          Unload("te", "pinned"), Load("vae", "file"), Run("decode", "gpu")]
     assert steps(two) == [Load("te", **PINNED), Run("enc", "gpu"), Run("sample", "gpu"), Unload("te", "pinned"),
                           Run("decode", "gpu")]
 
@@ -173,7 +181,7 @@ def test_unused_resident_model_is_evicted_first():
     models = {**MODELS, "old": ModelCost("old", gib(3.0), "old")}
     p = plan(dag, costs, models, card(16), start=Residency(frozenset({"old", "dit"})))
     assert steps(p)[:3] == [Unload("old", "drop"), Load("te", **FILE_PIN), Run("enc", "gpu")]
-    assert steps(p)[3:] == [Run("sample", "gpu"), Unload("te", "pinned"), Load("vae", **FILE_PIN),
+    assert steps(p)[3:] == [Run("sample", "gpu"), Unload("te", "pinned"), Load("vae", "file"),
                             Run("decode", "gpu")]
 
 
@@ -201,7 +209,8 @@ def test_cpu_variant_only_when_cheaper(host: float, cpu_s: float, expected_varia
         assert float(re.search(r"gpu: ([\d.]+) s", note)[1]) > 3.8  # 0.086 + 3.876 (dit reload) + 0.048
     else:
         to = "pinned" if host > 0 else "drop"
-        assert steps(p) == [Load("dit", **pin), Run("sample", "gpu"), Unload("dit", to), Load("vae", **pin),
+        # the vae stays resident into the next run's sample (7.88 GiB fit): never unloaded, never pinned
+        assert steps(p) == [Load("dit", **pin), Run("sample", "gpu"), Unload("dit", to), Load("vae", "file"),
                             Run("decode", "gpu")]
         assert p.steps[-1].note == ""
 
@@ -268,7 +277,7 @@ def test_queue_of_three_groups_by_model():
     assert steps(p) == [Load("te", **FILE_PIN), Run("enc0", "gpu"), Run("enc1", "gpu"), Run("enc2", "gpu"),
                         Unload("te", "pinned"), Load("dit", **FILE_PIN),
                         Run("sample0", "gpu"), Run("sample1", "gpu"), Run("sample2", "gpu"),
-                        Load("vae", **FILE_PIN), Run("decode0", "gpu"), Run("decode1", "gpu"), Run("decode2", "gpu")]
+                        Load("vae", "file"), Run("decode0", "gpu"), Run("decode1", "gpu"), Run("decode2", "gpu")]
     assert [s.step.model for s in p.steps if isinstance(s.step, Load)] == ["te", "dit", "vae"]
 
 
@@ -290,7 +299,8 @@ def test_queue_host_ram_limits_grouping():
 
 
 def test_cpu_nodes_need_no_loads():
-    """CPU-only nodes (no models) run where the order puts them and never move weights.
+    """CPU-only nodes (no models) run where the order puts them and never move weights. Everything fits on
+    24 GiB: nothing is unloaded, nothing pinned.
 
         prompt ──► enc ──► sample ──► decode ──► save
     """
@@ -299,28 +309,30 @@ def test_cpu_nodes_need_no_loads():
     costs = {"prompt": NodeCost("prompt", "PrimitiveString", cpu, 1024), "enc": encode("enc"),
              "sample": sample("sample"), "decode": decode("decode"), "save": NodeCost("save", "SaveImage", cpu)}
     p = plan(dag, costs, MODELS, card(24))
-    assert steps(p) == [Run("prompt", "cpu"), Load("te", **FILE_PIN), Run("enc", "gpu"), Load("dit", **FILE_PIN),
-                        Run("sample", "gpu"), Load("vae", **FILE_PIN), Run("decode", "gpu"), Run("save", "cpu")]
+    assert steps(p) == [Run("prompt", "cpu"), Load("te", "file"), Run("enc", "gpu"), Load("dit", "file"),
+                        Run("sample", "gpu"), Load("vae", "file"), Run("decode", "gpu"), Run("save", "cpu")]
 
 
 def test_no_host_room_for_pinned_copies():
-    """1 GiB of host RAM: only the vae gets a pinned copy; te and dit are dropped and reread from the file.
+    """1 GiB of host RAM: no pinned copy at all. te and dit, the models unloaded, do not fit in it: they are
+    dropped and reread from the file; the vae would fit but is never unloaded, so it gets none either.
 
         enc ──► sample ──► decode          12 GiB card, run twice
     """
     dag, costs = chains(1, suffix=False)
     one, two = images(dag, costs, card(12, host=1), 2)
     assert steps(one) == [Load("te", "file"), Run("enc", "gpu"), Unload("te", "drop"), Load("dit", "file"),
-                          Run("sample", "gpu"), Load("vae", **FILE_PIN), Run("decode", "gpu")]
+                          Run("sample", "gpu"), Load("vae", "file"), Run("decode", "gpu")]
     assert steps(two) == [Unload("dit", "drop"), Load("te", "file"), Run("enc", "gpu"), Unload("te", "drop"),
                           Load("dit", "file"), Run("sample", "gpu"), Run("decode", "gpu")]
-    assert two.end.pinned == frozenset({"vae"})
+    assert two.end.pinned == frozenset()
     assert two.steps[1].seconds == pytest.approx(gib(5.80) / 2.0e9)
 
 
 def test_host_room_for_one_big_copy_pins_the_largest():
     """7.5 GiB of host RAM holds the transformer's pinned copy (7.22) or the encoder's (5.80), not both:
-    the transformer, the larger (more reload time saved), gets it; the vae fits in what is left.
+    the transformer, the larger (more reload time saved), gets it; the vae would fit in what is left but,
+    never unloaded, gets none.
 
         enc ──► sample ──► decode          12 GiB card, run twice
     """
@@ -329,7 +341,30 @@ def test_host_room_for_one_big_copy_pins_the_largest():
     assert steps(one)[:4] == [Load("te", "file"), Run("enc", "gpu"), Unload("te", "drop"), Load("dit", **FILE_PIN)]
     assert steps(two)[:5] == [Unload("dit", "pinned"), Load("te", "file"), Run("enc", "gpu"), Unload("te", "drop"),
                               Load("dit", **PINNED)]
-    assert one.end.pinned == frozenset({"dit", "vae"})
+    assert one.end.pinned == frozenset({"dit"})
+
+
+def test_only_unloaded_models_are_pinned():
+    """The pinning rule: a model gets a pinned copy only if the plan unloads it (in this run or, with repeat,
+    in the next one), since only an unloaded model is ever reloaded.
+
+        enc ──► sample ──► decode          80 GiB: nothing unloaded; 12 GiB: te and dit swap
+    """
+    dag, costs = chains(1, suffix=False)
+
+    def pinned(p: Plan) -> set[str]:
+        return {s.model for s in steps(p) if isinstance(s, Load) and s.pin}
+
+    fits = plan(dag, costs, MODELS, Budget(gib(80), gib(64)))
+    assert not any(isinstance(s, Unload) for s in steps(fits))
+    assert pinned(fits) == set() and fits.end.pinned == frozenset()
+
+    swap = plan(dag, costs, MODELS, card(12))  # te unloaded for the sampler, dit for the next run's encoder
+    assert {s.model for s in steps(swap) if isinstance(s, Unload)} == {"te"}
+    assert pinned(swap) == {"te", "dit"} and swap.end.pinned == frozenset({"te", "dit"})
+    assert Load("vae", "file") in steps(swap)
+    once = plan(dag, costs, MODELS, card(12), repeat=False)  # no next run: dit is never unloaded
+    assert pinned(once) == {"te"} and Load("dit", "file") in steps(once)
 
 
 # ------------------------------------------------------------------------------------- oracle (whole-model DP)

@@ -162,6 +162,7 @@ def planner_inputs(prompt: Mapping[str, dict], costs: Mapping[str, Cost]
         for out in cost.outputs:
             if isinstance(out, ModelInfo):
                 models[out.key] = planner.ModelCost(out.key, out.nbytes, out.label)
-        variants = tuple(planner.Variant(o.name, o.models, o.activation, o.seconds, o.note) for o in cost.options)
+        variants = tuple(planner.Variant(o.name, o.models, o.activation, o.seconds, o.note, o.streams)
+                         for o in cost.options)
         node_costs[node] = planner.NodeCost(node, prompt[node]["class_type"], variants, cost.host_bytes)
     return node_costs, models

@@ -110,6 +110,14 @@ class NodeContext:
     def module(self, handle: ModelHandle) -> torch.nn.Module:
         return self.engine.ledger.module(handle.key)
 
+    def host_module(self, handle: ModelHandle) -> torch.nn.Module:
+        """The model's pinned host copy (for a node that streams it), waiting for its background read."""
+        return self.engine.ledger.host_module(handle.key)
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
     def tokenizer(self, handle: ModelHandle) -> PromptTokenizer:
         return self.engine.tokenizer(handle.tokenizer)
 

@@ -163,6 +163,13 @@ class Ledger:
         e.on_device = False
         self.events.append(Event("unload", key, to, time.perf_counter() - t0, e.info.nbytes))
 
+    def host_module(self, key: str) -> torch.nn.Module:
+        """The host copy's module (read now if there is none yet), for a node that streams the weights."""
+        e = self.entries[key]
+        if e.on_device:
+            raise RuntimeError(f"model {key} is on the GPU; the plan streams only models that are not resident")
+        return self._host(e).module
+
     def module(self, key: str) -> torch.nn.Module:
         e = self.entries.get(key)
         module = e.module if e is not None else None

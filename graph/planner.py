@@ -72,6 +72,8 @@ class Variant:
     activation: int  # bytes of GPU memory above the resident weights (its peak)
     seconds: float  # predicted compute time
     note: str = ""  # why/what, shown to users (e.g. "decodes on the CPU: 134 s")
+    streams: tuple[str, ...] = ()  # models read from host memory while it runs, never resident (their transfer
+    #                                costs bytes / bandwidth of their source every time, and they get pinned)
 
 
 @dataclass(frozen=True)
@@ -478,6 +480,10 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             out, reload_s = evictions(i, v)
             missing = [m for m in dict.fromkeys(v.models) if m not in resident]
             t = v.seconds + reload_s + sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
+            t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams if m not in resident)
+            if any(m in resident for m in v.streams):  # streaming a resident model would hold it twice
+                options.append((v, None))
+                continue
             options.append((v, t))
             if best is None or t < best[0]:
                 best = (t, v, out)
@@ -501,6 +507,9 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             loads[m] += 1
             steps.append(PlannedStep(Load(m, src, pin), sum(sizes.w(r) for r in resident), tuple(resident), secs,
                                      f"for {node}" + (", pinned while loading" if pin else "")))
+        for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
+            if m in pins:
+                pinned.add(m)
         note = v.note
         if v is not nc.variants[0]:
             alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
@@ -549,9 +558,11 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     first = _assign(order, costs, sizes, budget, cost, start, prov, everything, repeat)
     # a pinned copy pays only for a model that gets unloaded: in this run or, if it repeats, in the next one
     evicted = {s.step.model for s in first.steps if isinstance(s.step, Unload)}
+    evicted |= {m for v in first.chosen.values() for m in v.streams}
     if repeat:
         nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat)
         evicted |= {s.step.model for s in nxt.steps if isinstance(s.step, Unload)}
+        evicted |= {m for v in nxt.chosen.values() for m in v.streams}
     pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
     used = {m for n in order for v in costs[n].variants for m in v.models}
     done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)

@@ -210,6 +210,49 @@ class Qwen3Encoder(nn.Module):
                 outs[i + 1] = x
         return torch.cat([outs[k] for k in self.cfg.output_layers], dim=-1)
 
+    def forward_streamed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         device: torch.device) -> torch.Tensor:
+        """`forward` with the weights left in (pinned) host memory: the embedding lookup runs on the host and
+        each layer's weights are copied to `device` while the previous layer computes, so at most two layers
+        are on the device at once. Same operations on the same device, so the same numbers as `forward`."""
+        from torch.func import functional_call
+
+        x = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device)).to(device)
+        n = input_ids.shape[1]
+        cos, sin = self.rope(n, x.device, x.dtype)
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        mask = causal[None, None] & attention_mask.to(device=x.device, dtype=torch.bool)[:, None, None, :]
+        cuda = device.type == "cuda"
+        side = torch.cuda.Stream(device) if cuda else None
+
+        def fetch(i: int) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+            layer = self.layers[i]
+            named = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
+            if not cuda:
+                return {k: v.to(device) for k, v in named.items()}, None
+            with torch.cuda.stream(side):
+                out = {k: v.to(device, non_blocking=True) for k, v in named.items()}
+                done = torch.cuda.Event()
+                done.record(side)
+            return out, done
+
+        wanted = set(self.cfg.output_layers)
+        outs: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
+        nxt = fetch(0)
+        for i, layer in enumerate(self.layers):
+            weights, done = nxt
+            if done is not None:
+                torch.cuda.current_stream(device).wait_event(done)
+                for t in weights.values():  # allocated on the side stream, used on this one
+                    t.record_stream(torch.cuda.current_stream(device))
+            if i + 1 < len(self.layers):
+                nxt = fetch(i + 1)
+            x = functional_call(layer, weights, (x, cos, sin, mask))
+            del weights
+            if i + 1 in wanted:
+                outs[i + 1] = x
+        return torch.cat([outs[k] for k in self.cfg.output_layers], dim=-1)
+
 
 def sources(cfg: Qwen3Config, keys: Collection[str]) -> dict[str, Source]:
     """Checkpoint key of every encoder parameter (layers past n_built, model.norm and lm_head are unused)."""
@@ -304,6 +347,14 @@ class PromptTokenizer:
             ids[row, : len(toks)] = torch.tensor(toks, dtype=torch.long)
             mask[row, : len(toks)] = 1
         return ids, mask
+
+
+@torch.inference_mode()
+def encode_prompts_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, prompts: list[str],
+                            device: torch.device) -> torch.Tensor:
+    """`encode_prompts` with the encoder's weights in host memory, streamed to `device` layer by layer."""
+    ids, mask = tokenizer.encode(prompts)
+    return encoder.forward_streamed(ids, mask, torch.device(device))
 
 
 @torch.inference_mode()

@@ -126,12 +126,15 @@ class CLIPTextEncode:
 
     @classmethod
     def vg_estimate(cls, env: Any, text: Any, clip: ModelInfo) -> Cost:
-        return Cost((CondInfo(1, TEXT_TOKENS),), (estimates.text_encode(clip, 1, TEXT_TOKENS),),
+        return Cost((CondInfo(1, TEXT_TOKENS),), estimates.text_encode(clip, 1, TEXT_TOKENS),
                     host_bytes=TEXT_TOKENS * _context_dim(clip) * 4)
 
     def encode(self, text: str, clip: ModelHandle, vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
-        emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text])
+        if vg.variant == "stream":
+            emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device)
+        else:
+            emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text])
         return (conditioning(emb),)
 
 

@@ -57,10 +57,21 @@ def _itemsize(dtype: str) -> int:
     return ITEMSIZE.get(dtype, 2)
 
 
-def text_encode(model: ModelInfo, batch: int, tokens: int) -> Option:
-    hidden = model.config.hidden_size if model.config is not None else 2560
-    act = batch * tokens * hidden * _itemsize(model.dtype) * TE_PER_TOKEN
-    return Option("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
+def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Option, ...]:
+    """Resident on the GPU, or streamed layer by layer from pinned host memory (two layers on the GPU at once)."""
+    cfg = model.config
+    hidden = cfg.hidden_size if cfg is not None else 2560
+    item = _itemsize(model.dtype)
+    act = batch * tokens * hidden * item * TE_PER_TOKEN
+    gpu = Option("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
+    if cfg is None or not model.nbytes:
+        return (gpu,)
+    embed = cfg.vocab_size * hidden * item
+    layer = (model.nbytes - embed) / max(1, cfg.n_built)
+    stream = Option("stream", (), _margin(act + 2 * layer + batch * tokens * hidden * item * 4),
+                    TE_SECONDS_PER_PROMPT * batch, streams=(model.key,),
+                    note="streams the text encoder from pinned host memory, layer by layer")
+    return (gpu, stream)
 
 
 def sampler_tokens(latent: LatentInfo, positive: CondInfo) -> int:

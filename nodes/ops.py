@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from ..models.qwen3 import PromptTokenizer, Qwen3Encoder, encode_prompts
+from ..models.qwen3 import PromptTokenizer, Qwen3Encoder, encode_prompts, encode_prompts_streamed
 from ..models.sampling import pack_references, sample
 from ..models.vae import Flux2VAE
 from .estimates import TILE_OVERLAP, tile_spans
@@ -29,6 +29,12 @@ def _device(module: torch.nn.Module) -> torch.device:
 @torch.no_grad()
 def encode_text(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[str]) -> torch.Tensor:
     return encode_prompts(encoder, tokenizer, texts).cpu()
+
+
+def encode_text_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[str],
+                         device: torch.device) -> torch.Tensor:
+    """The encoder's weights stay in pinned host memory and stream through `device` one layer at a time."""
+    return encode_prompts_streamed(encoder, tokenizer, texts, device).cpu()
 
 
 @torch.no_grad()

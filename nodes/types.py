@@ -121,11 +121,12 @@ UNKNOWN = Unknown()
 class Option:
     """One way a node can run: the models it needs resident on the GPU, its activation peak above them."""
 
-    name: str  # "gpu", "tiled", "cpu", "host"
+    name: str  # "gpu", "tiled", "cpu", "host", "stream"
     models: tuple[str, ...] = ()
     activation: int = 0
     seconds: float = 0.0
     note: str = ""
+    streams: tuple[str, ...] = ()  # models read from pinned host memory while it runs (not resident)
 
 
 HOST = Option("host")  # a node that needs no GPU at all (loaders, images, primitives)

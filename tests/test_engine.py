@@ -232,10 +232,11 @@ def test_out_of_memory_in_decode_names_the_node_and_leaves_no_png(engine: Engine
 
 
 def _needs(engine: Engine, prompt: dict) -> tuple[int, dict[str, int]]:
-    """(the largest GPU need of one node with nothing else resident, its smallest variant; model bytes by label)."""
+    """(the largest GPU need of one node with nothing else resident, in its first (all-resident) variant; model
+    bytes by label)."""
     prep = engine.prepare(prompt)
     sizes = {k: m.nbytes for k, m in prep.plan.models.items()}
-    alone = max(min(sum(sizes[m] for m in o.models) + o.activation for o in c.options) for c in prep.costs.values())
+    alone = max(sum(sizes[m] for m in c.options[0].models) + c.options[0].activation for c in prep.costs.values())
     return alone, {m.label: m.nbytes for m in prep.plan.models.values()}
 
 

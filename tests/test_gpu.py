@@ -85,3 +85,25 @@ def test_planned_swaps_on_the_gpu_give_the_same_image(tmp_path):
             assert unloaded and all(engine.ledger.entries[k].pinned for k in unloaded)
         images.append(np.asarray(Image.open(result.images[0])))
     assert np.array_equal(images[0], images[1])
+
+
+@pytest.mark.gpu
+def test_streamed_text_encoder_from_pinned_memory_matches_resident(tmp_path):
+    """The text encoder streamed layer by layer from its pinned one-buffer copy gives the resident result."""
+    from vramgraph.demo import SHIPPED_NAMES, write_tiny_models
+    from vramgraph.graph.estimate import ModelCatalog
+    from vramgraph.graph.ledger import Ledger
+    from vramgraph.models.qwen3 import PromptTokenizer, encode_prompts, encode_prompts_streamed
+    from vramgraph.nodes.files import Folders
+
+    models = write_tiny_models(tmp_path / "models", names=SHIPPED_NAMES)
+    info = ModelCatalog(Folders(models=(models,))).model_info("text_encoder", SHIPPED_NAMES["text_encoder"])
+    ledger = Ledger(torch.device("cuda"))
+    ledger.register(info)
+    tok = PromptTokenizer.bundled()
+    ledger.pin(info.key)
+    streamed = encode_prompts_streamed(ledger.host_module(info.key), tok, ["a kite"], torch.device("cuda"))
+    assert next(ledger.host_module(info.key).parameters()).is_pinned()
+    ledger.load(info.key, "pinned")
+    resident = encode_prompts(ledger.module(info.key), tok, ["a kite"])
+    assert torch.equal(streamed, resident)

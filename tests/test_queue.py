@@ -68,14 +68,16 @@ def test_queue_loads_each_model_once_and_gives_the_same_images(tiny_models, inpu
     assert order == ["VGTextEncode"] * 4 + ["VGSampler"] * 4 + ["VGVAEDecode"] * 4
 
     alone = Engine(folders, budget=budget)
-    moves = 0
+    moves, streamed = 0, 0
     for prompt, mine in zip(prompts, images, strict=True):
         r = alone.run(prompt)
         moves += r.loads
+        streamed += sum(1 for n in r.nodes if n.variant == "stream")
         assert np.array_equal(_pixels(r.images[0]), _pixels(mine[0]))  # bit for bit
         saved = Image.open(mine[0])
         assert json.loads(saved.text["prompt"]) == prompt  # each PNG carries its own prompt
-    assert moves > 3  # image by image the encoder and the transformer swap every time
+    # image by image, the encoder and the transformer must take turns: swapped, or the encoder streamed
+    assert moves > 3 or streamed >= len(prompts) - 1
 
 
 def test_queue_respects_host_ram(tiny_models, input_dir, tmp_path):

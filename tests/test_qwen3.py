@@ -246,3 +246,13 @@ def test_checkpoint_errors(tiny: dict, tmp_path: Path) -> None:
     assert src["layers.0.self_attn.q_norm.weight"].keys == ("layers.0.self_attn.q_norm.weight",)
     assert not any(".27." in s.keys[0] or s.keys[0].startswith("norm") for s in src.values())
     assert sources(TINY, infos)["embed_tokens.weight"].keys == ("model.embed_tokens.weight",)
+
+
+def test_streamed_forward_is_the_resident_forward(tiny: dict, ours: PromptTokenizer) -> None:
+    """Layer-by-layer streaming from host memory computes exactly what the resident encoder computes."""
+    from vramgraph.models.qwen3 import encode_prompts_streamed
+
+    enc = load_qwen3(read_header(tiny["comfy"])[0], dtype=torch.float32)
+    prompts = ["a lighthouse at dusk", "two cats"]
+    assert torch.equal(encode_prompts_streamed(enc, ours, prompts, torch.device("cpu")),
+                       encode_prompts(enc, ours, prompts))

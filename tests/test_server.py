@@ -608,7 +608,9 @@ def test_queued_prompts_run_as_one_batch(folders):
             theirs = entry["outputs"]["8"]["images"][0]
             assert ours["filename"] != theirs["filename"]
             assert (_pixels(folders, ours) == _pixels(folders, theirs)).all()
-    assert len(_loads(alone)) > 3
+    # one at a time the encoder and the transformer take turns: swapped (more loads) or the encoder streamed
+    streamed = [e for e in alone.ledger.events if e.kind == "pin"]
+    assert len(_loads(alone)) > 3 or streamed
 
 
 def test_a_failing_prompt_in_a_batch(folders, monkeypatch):

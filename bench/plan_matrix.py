@@ -279,6 +279,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="512,1024,1536,2048")
     ap.add_argument("--cards", default="0,80,24,16,12,10,8")
     ap.add_argument("--diffusers-sizes", default="1024")
+    ap.add_argument("--diffusers-cards", default=None, help="default: the same as --cards")
     ap.add_argument("--summarize", action="store_true", help="only (re)compute the summary of an existing OUT.json")
     a = ap.parse_args()
     if a.summarize:
@@ -309,7 +310,7 @@ def main() -> None:
     report["ours"] = cells
     engine.free()
     torch.cuda.set_per_process_memory_fraction(1.0)
-    report["diffusers_offload"] = diffusers_cells([int(c) for c in a.cards.split(",")],
+    report["diffusers_offload"] = diffusers_cells([int(c) for c in (a.diffusers_cards or a.cards).split(",")],
                                                   [int(s) for s in a.diffusers_sizes.split(",")])
     report["summary"] = summarize(report)
     Path(a.out).write_text(json.dumps(report, indent=1))

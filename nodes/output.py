@@ -20,6 +20,7 @@ from . import ops
 from .comfy import context as comfy_context
 from .types import IMAGE, STRING, Cost
 
+COMPRESS_LEVEL = 1  # zlib level: 4 (ComfyUI's) takes ~0.2 s for a 1024² image, 1 about a quarter of that
 HIDDEN = {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO", "vg": "VG_CONTEXT"}
 
 
@@ -54,7 +55,7 @@ def save_images(images: torch.Tensor, root: Path, prefix: str, kind: str, prompt
     for im in ops.to_pil(images):
         path = folder / f"{name}_{counter:05}_.png"
         tmp = path.with_name(path.name + ".part")
-        im.save(tmp, format="PNG", pnginfo=meta, compress_level=4)
+        im.save(tmp, format="PNG", pnginfo=meta, compress_level=COMPRESS_LEVEL)
         os.replace(tmp, path)
         sub = folder.relative_to(root.resolve()).as_posix()
         results.append({"filename": path.name, "subfolder": "" if sub == "." else sub, "type": kind})

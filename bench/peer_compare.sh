@@ -73,6 +73,6 @@ for s in $SETTINGS; do
 done
 echo "== t=$(el) comparing"
 PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/peer_compare.json
-cp $P/*_1024_s42.png $P/*_512_s42.png $OUT/ 2>/dev/null
-(cd /tmp && tar -czf $OUT/peer_logs.tgz peerlogs)
+mkdir -p $L/pngs && cp $P/*_s42.png $L/pngs/ 2>/dev/null
+(cd /tmp && tar -czf $OUT/peer_logs.tgz peerlogs)  # few files come back from the device: logs and PNGs in one
 echo "== t=$(el) end"

@@ -410,6 +410,9 @@ COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _gene
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Expandable segments: freed activations go back to the allocator without fragmenting it, so a plan that
+    # runs close to a --vram cap does not make the allocator flush its cache every step (set before CUDA starts).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv or ["session"])
     from .graph.errors import VramgraphError

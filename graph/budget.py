@@ -16,11 +16,11 @@ import torch
 from . import planner
 
 GiB = 2**30
-DEFAULT_RESERVE = 384 * 2**20  # allocator rounding, cuBLAS/cuDNN workspaces, the RoPE tables
+DEFAULT_RESERVE = 256 * 2**20  # allocator rounding, cuBLAS/cuDNN workspaces, the RoPE tables
 HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
 # With --vram, device memory this process uses outside torch's allocator besides the context measured at start
-# (seen on the H200 under the benchmark client: up to 0.6 GiB more, whole-device, than context + reserved)
-CARD_MARGIN = 768 * 2**20
+# (seen on the H200 under the benchmark client: up to 0.8 GiB more, whole-device, than context + reserved)
+CARD_MARGIN = 1024 * 2**20
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
          "g": GiB, "gb": 10**9, "gib": GiB, "t": 2**40, "tb": 10**12, "tib": 2**40}
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
+from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,6 +149,7 @@ class _Files:
         self._open = safe_open
         self._infos = infos
         self._handles: dict[Path, object] = {}
+        self._lock = threading.Lock()
 
     def get(self, key: str) -> torch.Tensor:
         info = self._infos.get(key)
@@ -153,9 +157,10 @@ class _Files:
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint")
         if info.tensor is not None:
             return info.tensor
-        h = self._handles.get(info.file)
-        if h is None:
-            h = self._handles[info.file] = self._open(str(info.file), framework="pt", device="cpu")
+        with self._lock:
+            h = self._handles.get(info.file)
+            if h is None:
+                h = self._handles[info.file] = self._open(str(info.file), framework="pt", device="cpu")
         return h.get_tensor(info.name)
 
     def close(self) -> None:
@@ -177,6 +182,7 @@ def check_plain(sources: Mapping[str, Source], infos: Mapping[str, TensorInfo]) 
 
 
 ALIGN = 256
+READ_AHEAD = 8
 
 
 def pinned_arena(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -221,13 +227,21 @@ def load_weights(build: Callable[[], nn.Module], sources: Mapping[str, Source], 
     files = _Files(infos)
     state = {}
     try:
-        for name, target in wanted.items():
-            t = sources[name].make(files.get, tuple(target.shape))
-            if arena is not None:
-                state[name] = arena[name].copy_(t)
-                continue
-            t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, non_blocking=False)
-            state[name] = t
+        # Reads run a few tensors ahead in threads: page faults on a memory-mapped file are served one page at a
+        # time per thread, so parallel reads multiply the throughput; at most READ_AHEAD tensors are in flight.
+        with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="vramgraph-read") as pool:
+            items = list(wanted.items())
+            pending = deque(pool.submit(sources[n].make, files.get, tuple(t.shape)) for n, t in items[:READ_AHEAD])
+            for i, (name, _) in enumerate(items):
+                t = pending.popleft().result()
+                if i + READ_AHEAD < len(items):
+                    n2, t2 = items[i + READ_AHEAD]
+                    pending.append(pool.submit(sources[n2].make, files.get, tuple(t2.shape)))
+                if arena is not None:
+                    state[name] = arena[name].copy_(t)
+                    continue
+                t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, non_blocking=False)
+                state[name] = t
     finally:
         files.close()
     module.load_state_dict(state, strict=True, assign=True)

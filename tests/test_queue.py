@@ -147,3 +147,15 @@ def test_cli_generate_queue_and_previews(tiny_models, tmp_path):
     assert [json.loads(Image.open(p).text["prompt"])["4"]["inputs"]["text"] for p in made] == \
         ["a fox", "a boat", "a lighthouse"]
     assert len(list((tmp_path / "prev").glob("*.png"))) == 12  # 3 images x 4 steps
+
+
+def test_preview_map_fit_recovers_a_linear_map():
+    """bench/fit_preview.py's least squares recovers a known 32x3 map and bias."""
+    from vramgraph.models.preview import fit_map
+
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(32, 3, generator=g), torch.randn(3, generator=g)
+    raw = torch.randn(2, 32, 6, 5, generator=g)
+    rgb = torch.einsum("bchw,cr->bhwr", raw, weight) + bias
+    w, b = fit_map(raw, rgb)
+    assert torch.allclose(w, weight, atol=1e-4) and torch.allclose(b, bias, atol=1e-4)

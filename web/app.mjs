@@ -205,6 +205,7 @@ const handlers = {
   },
   "vramgraph.plan"(d) {
     S.plan = d.plan; S.timeline = d.timeline; S.live = true; S.reached = -1; S.current = null;
+    S.members = d.members || null;  // a batch: prompt id -> (its node id -> node id in the merged plan)
     $("plan-kind").textContent = `(live: ${d.prompt_id.slice(0, 8)})`;
     drawPlan();
     setBars();
@@ -230,7 +231,8 @@ const handlers = {
       return;
     }
     S.status[d.node] = "running";
-    const i = stepOfNode(S.plan, d.node);
+    const merged = S.members && S.members[d.prompt_id] ? S.members[d.prompt_id][d.node] : null;
+    const i = stepOfNode(S.plan, merged || d.node);
     if (i !== null) { S.current = i; S.reached = Math.max(S.reached ?? -1, i); }
     redrawGraph();
     drawPlan();

@@ -524,9 +524,9 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
 
 def _choose_pins(first: _Assigned, sizes: _Sizes, costs: Mapping[str, NodeCost], order: list[str],
                  start: Residency, room: int, evicted: set[str]) -> frozenset[str]:
-    """Pass 2: the models that get a pinned copy: start's, then among the models that get unloaded (only they
-    are ever reloaded), while host RAM allows, the most loaded ones, the largest first among equals (a
-    pinned reload saves time in proportion to bytes)."""
+    """Pass 2: the models that get a pinned copy: start's, then among the candidates (`evicted`: models that get
+    unloaded, or all used models when they cannot stay together), while host RAM allows, the most loaded ones,
+    the largest first among equals (a pinned reload saves time in proportion to bytes)."""
     used = dict.fromkeys(m for n in order for v in costs[n].variants for m in v.models if m in evicted)
     rank = {m: (-first.loads[m], -sizes.w(m), k) for k, m in enumerate(used)}
     pins = set(start.pinned)
@@ -558,7 +558,8 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     order, peak_out = _order(dag, nodes, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
     everything = frozenset(models)
     first = _assign(order, costs, sizes, budget, cost, start, prov, everything, repeat)
-    # a pinned copy pays only for a model that gets unloaded: in this run or, if it repeats, in the next one
+    # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by
+    # some other prompt when the used models cannot all stay on the GPU together
     evicted = {s.step.model for s in first.steps if isinstance(s.step, Unload)}
     evicted |= {m for v in first.chosen.values() for m in v.streams}
     used_models = {m for v in first.chosen.values() for m in v.models + v.streams}

@@ -3,9 +3,11 @@
 Sizes are FLUX.2-klein-4B's (reference/anchors-h200.json): text encoder "te" 5.80 GiB, transformer "dit"
 7.22 GiB, VAE decoder "vae" 0.09 GiB. A card of C GiB gives a budget of C - 0.6 GiB (CUDA context).
 
-Pinned copies: only a model that the plan unloads (in this run or, with repeat, in the next one) is ever
-reloaded, so only such a model gets a pinned host copy (`Load(pin=True)`, later `Unload(to="pinned")`), while
-host RAM allows; a model never unloaded is loaded with `Load(model, "file")` and no pin.
+Pinned copies: a model is a candidate for a pinned host copy (`Load(pin=True)`, later `Unload(to="pinned")`)
+if the plan unloads it (in this run or, with repeat, in the next one) or if the models the run uses (the chosen
+variants' models and streams) cannot all be resident together with the largest chosen activation: then every
+used model is a candidate, since another prompt may push any of them out. Candidates are pinned while host RAM
+allows. When everything fits, nothing is pinned and every model is loaded with `Load(model, "file")`.
 """
 
 from __future__ import annotations
@@ -125,13 +127,14 @@ def test_12gib_two_images_swap_encoder_and_transformer():
         enc ──► sample ──► decode          (run twice: image 2 starts from image 1's end)
 
     Image 2 swaps: unload dit, load te, encode, unload te, load dit, sample; the encoder never goes to the CPU.
-    te and dit, both unloaded, get pinned copies; the vae, never unloaded, does not.
+    te + dit + vae + the decode's activation exceed the budget, so all three get pinned copies (the vae too,
+    though this plan never unloads it).
     """
     dag, costs = chains(1, suffix=False)
     one, two = images(dag, costs, card(12), 2)
     assert steps(one) == [Load("te", **FILE_PIN), Run("enc", "gpu"), Unload("te", "pinned"),
-                          Load("dit", **FILE_PIN), Run("sample", "gpu"), Load("vae", "file"), Run("decode", "gpu")]
-    assert one.end == Residency(frozenset({"dit", "vae"}), frozenset({"te", "dit"}))
+                          Load("dit", **FILE_PIN), Run("sample", "gpu"), Load("vae", **FILE_PIN), Run("decode", "gpu")]
+    assert one.end == Residency(frozenset({"dit", "vae"}), frozenset({"te", "dit", "vae"}))
     assert steps(two) == [Unload("dit", "pinned"), Load("te", **PINNED), Run("enc", "gpu"), Unload("te", "pinned"),
                           Load("dit", **PINNED), Run("sample", "gpu"), Run("decode", "gpu")]
     assert one.variant_of("enc") == two.variant_of("enc") == "gpu"
@@ -141,8 +144,8 @@ def test_12gib_two_images_swap_encoder_and_transformer():
 
 def test_12gib_1536_decode_unloads_transformer_and_reloads_it_at_the_sampler():
     """12 GiB card, 1536²: the decode (0.09 + 5.35 GiB) does not fit beside dit (7.22): dit goes to its
-    pinned copy before the decode and comes back at the next image's sampler; the vae stays resident (and,
-    never unloaded, gets no pinned copy).
+    pinned copy before the decode and comes back at the next image's sampler; the vae stays resident (it gets
+    a pinned copy all the same: the three models and the decode's activation cannot be resident together).
 
         enc ──► sample ──► decode          (run twice)
     """
@@ -150,30 +153,33 @@ def test_12gib_1536_decode_unloads_transformer_and_reloads_it_at_the_sampler():
     one, two = images(dag, costs, card(12), 2)
     assert steps(one) == [Load("te", **FILE_PIN), Run("enc", "gpu"), Unload("te", "pinned"),
                           Load("dit", **FILE_PIN), Run("sample", "gpu"), Unload("dit", "pinned"),
-                          Load("vae", "file"), Run("decode", "gpu")]
+                          Load("vae", **FILE_PIN), Run("decode", "gpu")]
     assert steps(two) == [Load("te", **PINNED), Run("enc", "gpu"), Unload("te", "pinned"), Load("dit", **PINNED),
                           Run("sample", "gpu"), Unload("dit", "pinned"), Run("decode", "gpu")]
-    assert two.end == Residency(frozenset({"vae"}), frozenset({"te", "dit"}))
+    assert two.end == Residency(frozenset({"vae"}), frozenset({"te", "dit", "vae"}))
     assert [p.variant_of(n) for p in (one, two) for n in ("enc", "decode")] == ["gpu"] * 4
 
 
 def test_16gib_unloads_the_cheaper_model_for_the_decode():
     """16 GiB card, 1024²: te + dit fit (13.59 GiB), adding the decode (15.49) does not: the encoder, cheaper
     to reload than the transformer, makes room; tiled decode (0.34 s) loses to a 0.11 s pinned reload.
-    Only te is ever unloaded, so only te gets a pinned copy.
+    Only te is ever unloaded, but te + dit + vae + the decode's activation (15.49) exceed the budget (15.40), so
+    all three get pinned copies.
 
         enc ──► sample ──► decode          (run twice)
     """
     dag, costs = chains(1, suffix=False)
     one, two = images(dag, costs, card(16), 2)
-    assert steps(one) == [Load("te", **FILE_PIN), Run("enc", "gpu"), Load("dit", "file"), Run("sample", "gpu"),
-                          Unload("te", "pinned"), Load("vae", "file"), Run("decode", "gpu")]
+    assert steps(one) == [Load("te", **FILE_PIN), Run("enc", "gpu"), Load("dit", **FILE_PIN), Run("sample", "gpu"),
+                          Unload("te", "pinned"), Load("vae", **FILE_PIN), Run("decode", "gpu")]
     assert steps(two) == [Load("te", **PINNED), Run("enc", "gpu"), Run("sample", "gpu"), Unload("te", "pinned"),
                           Run("decode", "gpu")]
 
 
 def test_unused_resident_model_is_evicted_first():
-    """A 3 GiB model left by an earlier workflow and never used here leaves before the transformer does.
+    """A 3 GiB model left by an earlier workflow and never used here leaves before the transformer does. It is
+    dropped (never used, it gets no pinned copy); te and vae, loaded here, get pinned copies since the three used
+    models and the decode's activation exceed the budget (dit, already resident, is never read from the file).
 
         enc ──► sample ──► decode          start: dit and "old" resident, 16 GiB card
     """
@@ -181,8 +187,9 @@ def test_unused_resident_model_is_evicted_first():
     models = {**MODELS, "old": ModelCost("old", gib(3.0), "old")}
     p = plan(dag, costs, models, card(16), start=Residency(frozenset({"old", "dit"})))
     assert steps(p)[:3] == [Unload("old", "drop"), Load("te", **FILE_PIN), Run("enc", "gpu")]
-    assert steps(p)[3:] == [Run("sample", "gpu"), Unload("te", "pinned"), Load("vae", "file"),
+    assert steps(p)[3:] == [Run("sample", "gpu"), Unload("te", "pinned"), Load("vae", **FILE_PIN),
                             Run("decode", "gpu")]
+    assert p.end == Residency(frozenset({"dit", "vae"}), frozenset({"te", "vae"}))
 
 
 @pytest.mark.parametrize(("host", "cpu_s", "expected_variant"), [
@@ -209,8 +216,9 @@ def test_cpu_variant_only_when_cheaper(host: float, cpu_s: float, expected_varia
         assert float(re.search(r"gpu: ([\d.]+) s", note)[1]) > 3.8  # 0.086 + 3.876 (dit reload) + 0.048
     else:
         to = "pinned" if host > 0 else "drop"
-        # the vae stays resident into the next run's sample (7.88 GiB fit): never unloaded, never pinned
-        assert steps(p) == [Load("dit", **pin), Run("sample", "gpu"), Unload("dit", to), Load("vae", "file"),
+        # the vae stays resident into the next run's sample (7.88 GiB fit) but is pinned where host RAM allows:
+        # dit + vae + the decode's activation (9.69 GiB) exceed the budget (9.40)
+        assert steps(p) == [Load("dit", **pin), Run("sample", "gpu"), Unload("dit", to), Load("vae", **pin),
                             Run("decode", "gpu")]
         assert p.steps[-1].note == ""
 
@@ -266,7 +274,8 @@ def test_weights_alone_too_big():
 
 
 def test_queue_of_three_groups_by_model():
-    """Three prompts sharing one te/dit/vae on a 12 GiB card: encode all, sample all, decode all.
+    """Three prompts sharing one te/dit/vae on a 12 GiB card: encode all, sample all, decode all. The three models
+    cannot be resident together with the decode's activation, so all three get pinned copies.
 
         enc0 ──► sample0 ──► decode0
         enc1 ──► sample1 ──► decode1
@@ -277,7 +286,7 @@ def test_queue_of_three_groups_by_model():
     assert steps(p) == [Load("te", **FILE_PIN), Run("enc0", "gpu"), Run("enc1", "gpu"), Run("enc2", "gpu"),
                         Unload("te", "pinned"), Load("dit", **FILE_PIN),
                         Run("sample0", "gpu"), Run("sample1", "gpu"), Run("sample2", "gpu"),
-                        Load("vae", "file"), Run("decode0", "gpu"), Run("decode1", "gpu"), Run("decode2", "gpu")]
+                        Load("vae", **FILE_PIN), Run("decode0", "gpu"), Run("decode1", "gpu"), Run("decode2", "gpu")]
     assert [s.step.model for s in p.steps if isinstance(s.step, Load)] == ["te", "dit", "vae"]
 
 
@@ -314,25 +323,26 @@ def test_cpu_nodes_need_no_loads():
 
 
 def test_no_host_room_for_pinned_copies():
-    """1 GiB of host RAM: no pinned copy at all. te and dit, the models unloaded, do not fit in it: they are
-    dropped and reread from the file; the vae would fit but is never unloaded, so it gets none either.
+    """1 GiB of host RAM: no room for a pinned copy of te or dit, the models unloaded: they are dropped and reread
+    from the file. The vae (0.09 GiB) is a candidate too (the three models and the decode's activation exceed
+    the budget) and fits in the host RAM: it alone gets a pinned copy.
 
         enc ──► sample ──► decode          12 GiB card, run twice
     """
     dag, costs = chains(1, suffix=False)
     one, two = images(dag, costs, card(12, host=1), 2)
     assert steps(one) == [Load("te", "file"), Run("enc", "gpu"), Unload("te", "drop"), Load("dit", "file"),
-                          Run("sample", "gpu"), Load("vae", "file"), Run("decode", "gpu")]
+                          Run("sample", "gpu"), Load("vae", **FILE_PIN), Run("decode", "gpu")]
     assert steps(two) == [Unload("dit", "drop"), Load("te", "file"), Run("enc", "gpu"), Unload("te", "drop"),
                           Load("dit", "file"), Run("sample", "gpu"), Run("decode", "gpu")]
-    assert two.end.pinned == frozenset()
+    assert two.end.pinned == frozenset({"vae"})
     assert two.steps[1].seconds == pytest.approx(gib(5.80) / 2.0e9)
 
 
 def test_host_room_for_one_big_copy_pins_the_largest():
     """7.5 GiB of host RAM holds the transformer's pinned copy (7.22) or the encoder's (5.80), not both:
-    the transformer, the larger (more reload time saved), gets it; the vae would fit in what is left but,
-    never unloaded, gets none.
+    the transformer, the larger (more reload time saved), gets it; the vae, a candidate since the three models
+    and the decode's activation exceed the budget, fits in what is left and gets one too.
 
         enc ──► sample ──► decode          12 GiB card, run twice
     """
@@ -341,30 +351,46 @@ def test_host_room_for_one_big_copy_pins_the_largest():
     assert steps(one)[:4] == [Load("te", "file"), Run("enc", "gpu"), Unload("te", "drop"), Load("dit", **FILE_PIN)]
     assert steps(two)[:5] == [Unload("dit", "pinned"), Load("te", "file"), Run("enc", "gpu"), Unload("te", "drop"),
                               Load("dit", **PINNED)]
-    assert one.end.pinned == frozenset({"dit"})
+    assert one.end.pinned == frozenset({"dit", "vae"})
 
 
-def test_only_unloaded_models_are_pinned():
-    """The pinning rule: a model gets a pinned copy only if the plan unloads it (in this run or, with repeat,
-    in the next one), since only an unloaded model is ever reloaded.
+def test_pinned_copies_for_unloaded_models_or_when_the_used_models_do_not_fit_together():
+    """The pinning rule: a model gets a pinned copy if the plan unloads it (in this run or, with repeat, in the
+    next one), or, when the models the run uses cannot all be resident together with the largest activation,
+    every used model does (another prompt may push any of them out). When everything fits, nothing is pinned.
 
-        enc ──► sample ──► decode          80 GiB: nothing unloaded; 12 GiB: te and dit swap
+        enc ──► sample ──► decode          80 GiB: all fit; 12 GiB: te + dit + vae + 2.38 > 11.40;
+                                           18 GiB with a 3 GiB leftover "old": the used models fit (15.49)
     """
     dag, costs = chains(1, suffix=False)
 
     def pinned(p: Plan) -> set[str]:
         return {s.model for s in steps(p) if isinstance(s, Load) and s.pin}
 
+    def unloaded(p: Plan) -> set[str]:
+        return {s.model for s in steps(p) if isinstance(s, Unload)}
+
     fits = plan(dag, costs, MODELS, Budget(gib(80), gib(64)))
-    assert not any(isinstance(s, Unload) for s in steps(fits))
+    assert unloaded(fits) == set()
     assert pinned(fits) == set() and fits.end.pinned == frozenset()
 
-    swap = plan(dag, costs, MODELS, card(12))  # te unloaded for the sampler, dit for the next run's encoder
-    assert {s.model for s in steps(swap) if isinstance(s, Unload)} == {"te"}
-    assert pinned(swap) == {"te", "dit"} and swap.end.pinned == frozenset({"te", "dit"})
-    assert Load("vae", "file") in steps(swap)
-    once = plan(dag, costs, MODELS, card(12), repeat=False)  # no next run: dit is never unloaded
-    assert pinned(once) == {"te"} and Load("dit", "file") in steps(once)
+    swap = plan(dag, costs, MODELS, card(12))  # only te is unloaded, but all three used models are pinned
+    assert unloaded(swap) == {"te"}
+    assert pinned(swap) == {"te", "dit", "vae"} and swap.end.pinned == frozenset({"te", "dit", "vae"})
+    once = plan(dag, costs, MODELS, card(12), repeat=False)  # no next run: the same, the models still do not fit
+    assert unloaded(once) == {"te"}
+    assert pinned(once) == {"te", "dit", "vae"} and once.end.pinned == frozenset({"te", "dit", "vae"})
+
+    # the used models fit together, but a leftover model makes room scarce: only the unloaded model is pinned
+    models = {**MODELS, "old": ModelCost("old", gib(3.0), "old")}
+    left = Residency(frozenset({"old"}))
+    last = plan(dag, costs, models, card(18), start=left, repeat=False)  # dit, not needed again, leaves
+    assert steps(last)[3:] == [Run("sample", "gpu"), Unload("dit", "pinned"), Load("vae", "file"),
+                               Run("decode", "gpu")]
+    assert pinned(last) == {"dit"} and last.end.pinned == frozenset({"dit"})
+    again = plan(dag, costs, models, card(18), start=left)  # "old" leaves instead: never used, never pinned
+    assert unloaded(again) == {"old"} and Unload("old", "drop") in steps(again)
+    assert pinned(again) == set() and again.end.pinned == frozenset()
 
 
 # ------------------------------------------------------------------------------------- oracle (whole-model DP)

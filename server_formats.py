@@ -17,7 +17,7 @@ from typing import Any
 import networkx as nx
 
 from .graph.validate import input_types
-from .graph.workflow import CONTROL_VALUES, WidgetSlot, widget_slots
+from .graph.workflow import WidgetSlot, widget_positions, widget_slots
 
 GiB = 2**30
 
@@ -107,18 +107,9 @@ def _update_widgets(node: dict, slots: tuple[WidgetSlot, ...], values: Mapping[s
     if not isinstance(stored, list):
         node["widgets_values"] = _widget_list(slots, values)
         return
-    i = 0
-    for s in slots:
-        if i >= len(stored):
-            break
+    for s, i in widget_positions(slots, stored):
         if s.name in values:
             stored[i] = values[s.name]
-        i += 1
-        if s.control and i < len(stored) and (stored[i] is None or (isinstance(stored[i], str)
-                                                                      and stored[i] in CONTROL_VALUES)):
-            i += 1
-        if s.upload and i < len(stored):
-            i += 1
 
 
 def api_to_ui(prompt: Mapping[str, dict], nodes: Mapping[str, type], original: Mapping[str, Any] | None = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,19 +173,22 @@ def widget_values(node: Mapping[str, Any], slots: tuple[WidgetSlot, ...]) -> dic
         return {s.name: values[s.name] for s in slots if s.name in values}
     if not isinstance(values, list):
         return {}
-    out: dict[str, Any] = {}
+    return {slot.name: values[i] for slot, i in widget_positions(slots, values)}
+
+
+def widget_positions(slots: tuple[WidgetSlot, ...], values: list) -> Iterator[tuple[WidgetSlot, int]]:
+    """(slot, index in widgets_values) for each stored widget, skipping the extra control and upload values."""
     i = 0
     for slot in slots:
         if i >= len(values):
-            break
-        out[slot.name] = values[i]
+            return
+        yield slot, i
         i += 1
         if slot.control and i < len(values) and (values[i] is None or (isinstance(values[i], str)
                                                                       and values[i] in CONTROL_VALUES)):
             i += 1
         if slot.upload and i < len(values):
             i += 1
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ UI -> API

@@ -21,28 +21,18 @@ PROMPTS = ["a small fishing boat on white background, watercolor", "a red bicycl
            "a field of sunflowers under a storm sky", "a cat sleeping on a pile of books"]
 
 
+WORKFLOW = Path(__file__).parents[1] / "workflows" / "core_text_to_image.json"
+
+
 def comfy_graph(text: str, seed: int, w: int, h: int, prefix: str) -> dict:
-    """ComfyUI's text-to-image graph for FLUX.2 [klein] distilled, core node types only."""
-    return {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": "flux-2-klein-4b.safetensors",
-                                                     "weight_dtype": "default"}},
-        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": "qwen_3_4b.safetensors", "type": "flux2",
-                                                     "device": "default"}},
-        "3": {"class_type": "VAELoader", "inputs": {"vae_name": "flux2-vae.safetensors"}},
-        "4": {"class_type": "CLIPTextEncode", "inputs": {"text": text, "clip": ["2", 0]}},
-        "5": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["4", 0]}},
-        "6": {"class_type": "CFGGuider", "inputs": {"model": ["1", 0], "positive": ["4", 0], "negative": ["5", 0],
-                                                    "cfg": 1.0}},
-        "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
-        "8": {"class_type": "Flux2Scheduler", "inputs": {"steps": 4, "width": w, "height": h}},
-        "9": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
-        "10": {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": w, "height": h, "batch_size": 1}},
-        "11": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["9", 0], "guider": ["6", 0],
-                                                                 "sampler": ["7", 0], "sigmas": ["8", 0],
-                                                                 "latent_image": ["10", 0]}},
-        "12": {"class_type": "VAEDecode", "inputs": {"samples": ["11", 0], "vae": ["3", 0]}},
-        "13": {"class_type": "SaveImage", "inputs": {"images": ["12", 0], "filename_prefix": prefix}},
-    }
+    """ComfyUI's text-to-image graph for FLUX.2 [klein] distilled, core node types only (workflows/)."""
+    g = json.loads(WORKFLOW.read_text())
+    g["4"]["inputs"]["text"] = text
+    g["9"]["inputs"]["noise_seed"] = seed
+    g["8"]["inputs"].update(width=w, height=h)
+    g["10"]["inputs"].update(width=w, height=h)
+    g["13"]["inputs"]["filename_prefix"] = prefix
+    return g
 
 
 async def run(port: int, label: str, n: int, side: int, out: Path) -> dict:

@@ -304,11 +304,17 @@ class Engine:
         for rename in merged.members:
             mine = []
             for new in dict.fromkeys(rename.values()):
-                for im in (result.ui.get(new) or {}).get("images", []):
-                    root = self.folders.output if im.get("type") == "output" else self.folders.temp
-                    mine.append(root / im.get("subfolder", "") / im["filename"])
+                mine += self._image_paths(result.ui.get(new))
             images.append(mine)
         return result, images
+
+    def _image_paths(self, ui: dict | None) -> list[Path]:
+        """The files an output node's ComfyUI `ui` entry names, in the output or temp folder."""
+        out = []
+        for im in (ui or {}).get("images", []):
+            root = self.folders.output if im.get("type") == "output" else self.folders.temp
+            out.append(root / im.get("subfolder", "") / im["filename"])
+        return out
 
     def _release(self) -> None:
         """Return the activations' cached blocks, so the next encode and sampling find the GPU as planned."""
@@ -334,9 +340,7 @@ class Engine:
             ui = values.get(("ui", step.node))
             if ui is not None:
                 result.ui[step.node] = ui
-                for im in ui.get("images", []):
-                    root = self.folders.output if im.get("type") == "output" else self.folders.temp
-                    result.images.append(root / im.get("subfolder", "") / im["filename"])
+                result.images += self._image_paths(ui)
 
     def _inputs(self, node: str, prep: Prepared, values: Mapping[str, tuple]) -> dict[str, Any]:
         cls = self.nodes[prep.prompt[node]["class_type"]]

@@ -32,10 +32,20 @@ NVML_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | h
 RES_B=$(python3 -c "print(round($NVML_GIB - 12 + 1.2, 3))")
 echo "== t=$(el) checkpoints done; ComfyUI 12 GiB card: --reserve-vram $RES_B + torch cap 12 GiB"
 
+# "Cold" = a fresh server process with the checkpoint files in the OS file cache, the same for both tools:
+# the writes of make_checkpoints are flushed and every file is read once before each server starts (without
+# this, whichever server ran second found part of the files evicted and read them from disk).
+prewarm() {
+  sync
+  cat /tmp/ck/comfyui/models/*/*.safetensors > /dev/null
+  { echo "== before $1"; free -g | head -2; fincore /tmp/ck/comfyui/models/*/*.safetensors 2>&1; } >> $L/page_cache.log
+}
+
 wait_down() { kill $1 2>/dev/null; sleep 2; kill -9 $1 2>/dev/null; wait $1 2>/dev/null; }
 
 comfy() {  # $1 label, rest: ComfyUI arguments
   label=$1; shift
+  prewarm $label
   echo "== t=$(el) ComfyUI $label: $*"
   COMFY_DIR=/tmp/comfy STUB_MODULES=av python3 .whl/peer/run_comfy.py --disable-api-nodes --front-end-root /tmp/emptyfe \
     --base-directory /tmp/cbase --disable-auto-launch --port 8188 "$@" > $L/comfy_$label.log 2>&1 &
@@ -52,6 +62,7 @@ comfy() {  # $1 label, rest: ComfyUI arguments
 
 ours() {  # $1 label, rest: vramgraph serve arguments
   label=$1; shift
+  prewarm $label
   echo "== t=$(el) vramgraph $label: $*"
   PYTHONPATH=/tmp/pkgs:/tmp/site python3 -m vramgraph serve --port 8189 --models /tmp/ck/comfyui/models \
     --output /tmp/ours_out --input /tmp/ours_in "$@" > $L/ours_$label.log 2>&1 &
@@ -73,6 +84,6 @@ for s in $SETTINGS; do
 done
 echo "== t=$(el) comparing"
 PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/peer_compare.json
-mkdir -p $L/pngs && cp $P/*_s42.png $L/pngs/ 2>/dev/null
-(cd /tmp && tar -czf $OUT/peer_logs.tgz peerlogs)  # few files come back from the device: logs and PNGs in one
+cp $L/page_cache.log $OUT/ 2>/dev/null
+(cd /tmp && tar -czf $OUT/peer_logs.tgz --exclude='*.png' peerlogs)  # few files come back from the device: the logs in one (PNGs are too big)
 echo "== t=$(el) end"

@@ -2,9 +2,12 @@
 
 Owned by the executor and changed only by the plan's Load/Unload steps; it decides nothing.
 
-- A model loaded from the file goes straight onto the GPU (memory-mapped reads, one tensor at a time).
-  If the plan wants a pinned copy (`Load(pin=True)`), that copy is read from the file into ONE
-  page-locked buffer by a background thread at the same time, off the critical path.
+- A model loaded from the file with a pinned copy wanted (`Load(pin=True)`) is read into ONE host buffer
+  first (parallel positional reads, see models.common.load_weights), page-locked, and copied to the GPU
+  in one transfer: the file is read once. The executor may start that read early in a background
+  thread (`pin`), while an earlier node computes.
+- A model loaded from the file without a pinned copy goes straight onto the GPU, one tensor at a time,
+  so host memory never holds it whole.
 - `Unload(to="pinned")` drops the GPU copy; nothing moves. A later `Load(source="pinned")` waits for the
   pinned copy if it is still being read, then copies the whole buffer to the GPU in one transfer, at the
   host link's full speed, and points the parameters at views of it.
@@ -128,9 +131,7 @@ class Ledger:
         if e.on_device:
             return
         t0 = time.perf_counter()
-        if pin:
-            self.pin(key)
-        if source == "file" and self.device.type == "cuda":
+        if source == "file" and self.device.type == "cuda" and not pin:
             if e.info.spec is None:
                 raise RuntimeError(f"{e.info.label} '{e.info.key}' has no checkpoint file; it can be planned, not run")
             module = loading.load(e.info.spec, dtype=DTYPES[e.info.dtype], device=self.device)

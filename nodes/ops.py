@@ -166,7 +166,10 @@ def load_image(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(rgb)[None], torch.from_numpy(mask)[None]
 
 
+def to_uint8(image: torch.Tensor) -> np.ndarray:
+    """IMAGE (B, H, W, C) -> uint8 pixels the way ComfyUI's SaveImage converts (x 255, clip, truncate)."""
+    return np.clip(255.0 * image.cpu().float().numpy(), 0, 255).astype(np.uint8)
+
+
 def to_pil(image: torch.Tensor) -> list[Image.Image]:
-    """IMAGE -> PIL images the way ComfyUI's SaveImage converts (x 255, clip, truncate)."""
-    arr = np.clip(255.0 * image.cpu().float().numpy(), 0, 255).astype(np.uint8)
-    return [Image.fromarray(a) for a in arr]
+    return [Image.fromarray(a) for a in to_uint8(image)]

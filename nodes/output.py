@@ -8,19 +8,17 @@ is written to a temporary name and renamed, so a failed run never leaves a half-
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL.PngImagePlugin import PngInfo
 
-from . import ops
+from . import ops, png
 from .comfy import context as comfy_context
 from .types import IMAGE, STRING, Cost
 
-COMPRESS_LEVEL = 1  # zlib level: 4 (ComfyUI's) takes ~0.2 s for a 1024² image, 1 about a quarter of that
+COMPRESS_LEVEL = 1  # zlib level (ComfyUI: 4); on a smooth 1024² picture: files 16 % larger, written 10x faster
 HIDDEN = {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO", "vg": "VG_CONTEXT"}
 
 
@@ -43,20 +41,18 @@ def save_images(images: torch.Tensor, root: Path, prefix: str, kind: str, prompt
     root = Path(root)
     folder, name = _target(root, prefix)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = PngInfo()
+    text = {}
     if prompt is not None:
-        meta.add_text("prompt", json.dumps(prompt))
+        text["prompt"] = json.dumps(prompt)
     for key, value in (extra_pnginfo or {}).items():
-        meta.add_text(key, json.dumps(value))
+        text[key] = json.dumps(value)
     if seed is not None:
-        meta.add_text("seed", str(seed))
+        text["seed"] = str(seed)
     counter = next_counter(folder, name)
     results = []
-    for im in ops.to_pil(images):
+    for pixels in ops.to_uint8(images):
         path = folder / f"{name}_{counter:05}_.png"
-        tmp = path.with_name(path.name + ".part")
-        im.save(tmp, format="PNG", pnginfo=meta, compress_level=COMPRESS_LEVEL)
-        os.replace(tmp, path)
+        png.write(path, pixels, text, COMPRESS_LEVEL)
         sub = folder.relative_to(root.resolve()).as_posix()
         results.append({"filename": path.name, "subfolder": "" if sub == "." else sub, "type": kind})
         counter += 1

@@ -243,7 +243,7 @@ class Engine:
             if self.device.type == "cuda":
                 warm_up_kernels(self.device, TORCH_DTYPES[self.dtype])
                 self._release()
-            log.debug("warmed up in %.2f s", time.perf_counter() - t0)
+            log.info("warmed up (GPU kernels, tokenizer) in %.2f s", time.perf_counter() - t0)
 
     # -- planning
     def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:

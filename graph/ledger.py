@@ -103,7 +103,7 @@ class Ledger:
         if pinned:  # every tensor is a view of one page-locked buffer (models.common.pinned_arena)
             storage = next(iter(tensors.values())).untyped_storage()
             flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-        self.events.append(Event("pin", info.key, "file", time.perf_counter() - t0, info.nbytes))
+        self._note(Event("pin", info.key, "file", time.perf_counter() - t0, info.nbytes), info)
         return HostCopy(module, {n: t.data for n, t in tensors.items()}, flat)
 
     def _host(self, e: Entry) -> HostCopy:
@@ -151,7 +151,7 @@ class Ledger:
                     t.data = copy.host[name].to(self.device, non_blocking=True)
                 torch.cuda.synchronize(self.device)
         e.on_device = True
-        self.events.append(Event("load", key, source, time.perf_counter() - t0, e.info.nbytes))
+        self._note(Event("load", key, source, time.perf_counter() - t0, e.info.nbytes), e.info)
 
     def unload(self, key: str, to: str = "pinned") -> None:
         e = self.entries[key]
@@ -166,7 +166,14 @@ class Ledger:
                 e.pending.cancel()
             e.copy, e.pending = None, None
         e.on_device = False
-        self.events.append(Event("unload", key, to, time.perf_counter() - t0, e.info.nbytes))
+        self._note(Event("unload", key, to, time.perf_counter() - t0, e.info.nbytes), e.info)
+
+    def _note(self, ev: Event, info: ModelInfo) -> None:
+        self.events.append(ev)
+        what = {"pin": "read from its file into host RAM", "load": f"loaded onto the GPU from {ev.source}",
+                "unload": "dropped" if ev.source == "drop" else "unloaded (host copy kept)"}[ev.kind]
+        rate = f" ({ev.nbytes / ev.seconds / 1e9:.1f} GB/s)" if ev.kind != "unload" and ev.seconds > 0 else ""
+        log.info("%s %.2f GiB %s in %.2f s%s", info.label, ev.nbytes / 2**30, what, ev.seconds, rate)
 
     def host_module(self, key: str) -> torch.nn.Module:
         """The host copy's module (read now if there is none yet), for a node that streams the weights."""

@@ -466,6 +466,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = engine_from(args)
     for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
         folder.mkdir(parents=True, exist_ok=True)
+    engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
     log.info("vramgraph %s on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", "serve", args.host,
              args.port, engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
     web.run_app(make_app(engine, previews=getattr(args, "previews", False)), host=args.host, port=args.port,

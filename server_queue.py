@@ -228,12 +228,6 @@ class Worker:
         return {"exec_info": {"queue_remaining": self.queue.remaining()}}
 
     def _loop(self) -> None:
-        warm_up = getattr(self.engine, "warm_up", None)
-        if warm_up is not None:
-            try:
-                warm_up()
-            except Exception:  # a slower first image, nothing worse
-                log.exception("warming up failed")
         while not self._stop.is_set():
             item = self.queue.get(timeout=1.0)
             if item is not None:

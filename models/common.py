@@ -220,9 +220,7 @@ class _Pages(mmap.mmap):
 
 def host_pages(nbytes: int) -> torch.Tensor:
     """A uint8 host tensor over fresh anonymous pages (page-aligned, not yet touched, not yet pinned)."""
-    # Plain 4 KiB pages, faulted in by the parallel readers. Asking for huge pages (MADV_HUGEPAGE) made the first
-    # 5.8 GiB read of a fresh process take 5.5 s instead of 1.5 s on the H200 host: the kernel compacts memory to
-    # find them, one fault at a time.
+    # Plain pages, faulted in by the parallel readers.
     pages = _Pages(-1, max(nbytes, 1))
     flat = torch.from_numpy(np.frombuffer(pages, dtype=np.uint8, count=nbytes))
     flat._vg_pages = pages  # for pin_pages; the array keeps the pages alive as long as any view of it lives
@@ -232,9 +230,8 @@ def host_pages(nbytes: int) -> torch.Tensor:
 def pin_pages(flat: torch.Tensor) -> None:
     """Page-lock a tensor made by `host_pages`, in place, so that it moves to the GPU by DMA at full speed.
 
-    Registering pages that are already filled costs about 0.04 s per GiB on the H200 host, where
-    allocating page-locked memory up front (`pin_memory=True`) costs about 0.4 s per GiB and holds a
-    driver lock that stalls every other transfer meanwhile.
+    Registering pages that are already filled cost 0.04 s per GiB on the H200 host, where allocating
+    page-locked memory up front (`pin_memory=True`) cost 0.45 s per GiB (bench/results/load_probe.json).
     """
     pages = getattr(flat, "_vg_pages", None)
     if pages is None or pages.registered or not torch.cuda.is_available() or flat.numel() == 0:

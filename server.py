@@ -356,16 +356,15 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 
 def memory_stats(engine: Any, reset: bool = False) -> dict:
-    """Torch allocator figures and the models on the GPU; `reset` restarts the peak counters first."""
+    """Torch allocator figures (peaks since the last reset, across nodes) and the models on the GPU; `reset`
+    restarts the peak counters first."""
     import torch
 
     out: dict[str, Any] = {"loaded_models": sorted(engine.ledger.on_gpu)}
     if engine.device.type == "cuda":
-        if reset:
-            torch.cuda.reset_peak_memory_stats(engine.device)
+        max_allocated, max_reserved = engine.peaks(reset)
         free, total = torch.cuda.mem_get_info(engine.device)
-        out.update(max_allocated=torch.cuda.max_memory_allocated(engine.device),
-                   max_reserved=torch.cuda.max_memory_reserved(engine.device),
+        out.update(max_allocated=max_allocated, max_reserved=max_reserved,
                    allocated=torch.cuda.memory_allocated(engine.device),
                    reserved=torch.cuda.memory_reserved(engine.device), dev_free=free, dev_total=total)
     return out

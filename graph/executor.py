@@ -205,6 +205,7 @@ class Engine:
         self._interrupt = threading.Event()
         self._lock = threading.Lock()
         self._pid = ""
+        self._peaks = (0, 0)  # torch allocator peaks (allocated, reserved) since `peaks(reset=True)`, across nodes
 
     # -- services for nodes
     def tokenizer(self, path: Path | None) -> PromptTokenizer:
@@ -247,6 +248,21 @@ class Engine:
             except Exception:  # a slower first image, nothing worse
                 log.exception("warming up the GPU kernels failed")
             log.info("warmed up (GPU kernels, tokenizer) in %.2f s", time.perf_counter() - t0)
+
+    def peaks(self, reset: bool = False) -> tuple[int, int]:
+        """The torch allocator's peak bytes (allocated, reserved) since the last reset. Torch's own counters
+        restart before every node (each node's peak is measured apart), so they are folded in here."""
+        if self.device.type != "cuda":
+            return (0, 0)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._peaks = (0, 0)
+        self._fold_peaks()
+        return self._peaks
+
+    def _fold_peaks(self) -> None:
+        self._peaks = (max(self._peaks[0], torch.cuda.max_memory_allocated(self.device)),
+                       max(self._peaks[1], torch.cuda.max_memory_reserved(self.device)))
 
     # -- planning
     def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:
@@ -344,7 +360,18 @@ class Engine:
               extra_pnginfo: dict | None, events: Events) -> None:
         step = ps.step
         if isinstance(step, planner.Load):
-            self.ledger.load(step.model, step.source, pin=step.pin)
+            try:
+                self.ledger.load(step.model, step.source, pin=step.pin)
+            except Exception as e:  # a damaged file, no host memory left: the loader node that named it failed
+                node = next((n for n, out in values.items() if isinstance(n, str)
+                             and any(isinstance(v, ModelHandle) and v.key == step.model for v in out)), None)
+                class_type = prep.prompt[node]["class_type"] if node is not None else "Load"
+                shown = {k: [v] for k, v in (prep.prompt[node]["inputs"].items() if node is not None else ())
+                         if isinstance(v, int | float | str | bool)}
+                executed = [n for n in values if isinstance(n, str)]
+                raise NodeExecutionError(node or step.model, class_type, f"loading its model failed: {e}",
+                                         _type_name(type(e)), traceback.format_exception(e), shown, self._pid,
+                                         executed) from e
             result.loads += 1
             later = (s.step for s in prep.plan.steps[i + 1:] if isinstance(s.step, planner.Load))
             ahead = next((s for s in later if s.source == "file" and s.pin), None)
@@ -397,6 +424,7 @@ class Engine:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
+            self._fold_peaks()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()

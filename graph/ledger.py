@@ -108,8 +108,9 @@ class Ledger:
 
     def _host(self, e: Entry) -> HostCopy:
         """The host copy, waiting for its background read if it is still running."""
-        if e.pending is not None:
-            e.copy, e.pending = e.pending.result(), None
+        if e.pending is not None:  # a failed read is not kept: the next load reads the (maybe fixed) file again
+            pending, e.pending = e.pending, None
+            e.copy = pending.result()
         if e.copy is None:
             e.copy = self._read_host(e.info)
         return e.copy

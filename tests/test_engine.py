@@ -216,6 +216,32 @@ def test_out_of_memory_in_decode_names_the_node_and_leaves_no_png(engine: Engine
     assert pngs(folders.output) == result.images
 
 
+def test_damaged_weights_file_names_its_loader_node_and_a_fixed_file_runs(tiny_models: Path, input_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """A checkpoint whose header is whole but whose data is cut short fails at its Load step, reported as the
+    loader node's error; once the file is whole again the same engine runs the prompt."""
+    import shutil
+
+    models = tmp_path / "models"
+    shutil.copytree(tiny_models, models)
+    prompt = shipped("text_to_image")
+    path = next(models.rglob(prompt["1"]["inputs"]["file"]))
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) - 4096])
+    folders = folders_for(models, input_dir, tmp_path)
+    engine = Engine(folders, device="cpu")
+    with pytest.raises(NodeExecutionError) as info:
+        engine.run(prompt)
+    err = info.value
+    assert (err.node_id, err.class_type) == ("1", "VGLoadTransformer")
+    assert "loading its model failed" in err.exception_message
+    assert f"{path}: the file ends before its tensors do" in err.exception_message
+    assert err.current_inputs and "6" not in err.executed
+    assert leftovers(folders.output) == []
+    path.write_bytes(whole)
+    assert len(engine.run(prompt).images) == 1
+
+
 # ------------------------------------------------------------------------------------------ small budgets
 
 

@@ -107,3 +107,26 @@ def test_streamed_text_encoder_from_pinned_memory_matches_resident(tmp_path):
     ledger.load(info.key, "pinned")
     resident = encode_prompts(ledger.module(info.key), tok, ["a kite"])
     assert torch.equal(streamed, resident)
+
+
+@pytest.mark.gpu
+def test_engine_peaks_span_all_nodes_of_a_run(tmp_path):
+    """The server's /peer/mem peak covers a whole run, though the executor restarts torch's counters per node."""
+    import json
+
+    from vramgraph.demo import SHIPPED_NAMES, write_tiny_models
+    from vramgraph.graph.executor import Engine
+    from vramgraph.nodes.files import Folders
+
+    models = write_tiny_models(tmp_path / "models", names=SHIPPED_NAMES)
+    wf = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json").read_text())
+    wf["5"]["inputs"].update(width=256, height=256)
+    engine = Engine(Folders(models=(models,), input=tmp_path, output=tmp_path / "out", temp=tmp_path / "t"),
+                    device="cuda")
+    engine.peaks(reset=True)
+    result = engine.run(wf)
+    allocated, reserved = engine.peaks()
+    biggest = max(result.nodes, key=lambda n: n.measured_bytes)
+    assert biggest.class_type != "VGSaveImage" and biggest.measured_bytes > 0
+    assert allocated >= biggest.measured_bytes and reserved >= allocated
+    assert engine.peaks(reset=True)[0] == torch.cuda.memory_allocated()

@@ -365,13 +365,10 @@ class Engine:
             except Exception as e:  # a damaged file, no host memory left: the loader node that named it failed
                 node = next((n for n, out in values.items() if isinstance(n, str)
                              and any(isinstance(v, ModelHandle) and v.key == step.model for v in out)), None)
-                class_type = prep.prompt[node]["class_type"] if node is not None else "Load"
-                shown = {k: [v] for k, v in (prep.prompt[node]["inputs"].items() if node is not None else ())
-                         if isinstance(v, int | float | str | bool)}
-                executed = [n for n in values if isinstance(n, str)]
-                raise NodeExecutionError(node or step.model, class_type, f"loading its model failed: {e}",
-                                         _type_name(type(e)), traceback.format_exception(e), shown, self._pid,
-                                         executed) from e
+                if node is None:
+                    raise
+                raise self._failure(node, prep.prompt[node]["class_type"], f"loading its model failed: {e}", e,
+                                    prep.prompt[node]["inputs"], values) from e
             result.loads += 1
             later = (s.step for s in prep.plan.steps[i + 1:] if isinstance(s.step, planner.Load))
             ahead = next((s for s in later if s.source == "file" and s.pin), None)
@@ -408,6 +405,14 @@ class Engine:
                     return values[v[0]][v[1]] if _link(v) else v
         return None
 
+    def _failure(self, node: str, class_type: str, message: str, e: Exception, inputs: Mapping[str, Any],
+                 values: Mapping) -> NodeExecutionError:
+        """ComfyUI's execution_error for `node`: its plain inputs shown as lists, the nodes done before it."""
+        shown = {k: [v] for k, v in inputs.items() if isinstance(v, int | float | str | bool)}
+        executed = [n for n in values if isinstance(n, str)]  # nodes done (cached or run), as ComfyUI lists them
+        return NodeExecutionError(node, class_type, message, _type_name(type(e)), traceback.format_exception(e),
+                                  shown, self._pid, executed)
+
     def _run_node(self, node: str, variant: str, ps: planner.PlannedStep, prep: Prepared, values: dict,
                   extra_pnginfo: dict | None, events: Events) -> NodeReport:
         class_type = prep.prompt[node]["class_type"]
@@ -433,15 +438,12 @@ class Engine:
         except InterruptedRun:
             raise
         except Exception as e:
-            shown = {k: [v] for k, v in inputs.items() if isinstance(v, int | float | str | bool)}  # as ComfyUI
             hint = ""
             if isinstance(e, torch.OutOfMemoryError):
                 hint = (f"; the plan predicted {predicted / 2**30:.2f} GiB for this node within a "
                         f"{self.budget.gpu / 2**30:.2f} GiB budget, so its estimate is wrong: please report it, "
                         "and meanwhile lower the size or pass a smaller --vram")
-            executed = [n for n in values if isinstance(n, str)]  # nodes done (cached or run), as ComfyUI lists them
-            raise NodeExecutionError(node, class_type, f"{e}{hint}", _type_name(type(e)),
-                                     traceback.format_exception(e), shown, self._pid, executed) from e
+            raise self._failure(node, class_type, f"{e}{hint}", e, inputs, values) from e
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0

@@ -248,17 +248,13 @@ def _arena(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[t
     A model whose weights live in one buffer moves to the GPU as a single copy, and back by dropping
     the GPU copy.
     """
-    offsets, total = {}, 0
+    spans, total = {}, 0
     for name, (shape, dt) in shapes.items():
-        offsets[name] = total
-        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        nbytes = math.prod(shape) * dt.itemsize
+        spans[name] = (total, nbytes)
         total += -(-nbytes // ALIGN) * ALIGN
     flat = host_pages(total)
-    views = {}
-    for name, (shape, dt) in shapes.items():
-        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-        views[name] = flat[offsets[name]:offsets[name] + nbytes].view(dt).view(shape)
-    return flat, views
+    return flat, {name: flat[o:o + n].view(shapes[name][1]).view(shapes[name][0]) for name, (o, n) in spans.items()}
 
 
 def _byte_spans(source: Source, shape: tuple[int, ...], infos: Mapping[str, TensorInfo], dtype: torch.dtype

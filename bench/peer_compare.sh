@@ -33,8 +33,8 @@ RES_B=$(python3 -c "print(round($NVML_GIB - 12 + 1.2, 3))")
 echo "== t=$(el) checkpoints done; ComfyUI 12 GiB card: --reserve-vram $RES_B + torch cap 12 GiB"
 
 # "Cold" = a fresh server process with the checkpoint files in the OS file cache, the same for both tools:
-# the writes of make_checkpoints are flushed and every file is read once before each server starts (without
-# this, whichever server ran second found part of the files evicted and read them from disk).
+# the writes of make_checkpoints are flushed (not left to write back under the first server) and every file
+# is read once before each server starts; page_cache.log records the memory each start found.
 prewarm() {
   sync
   cat /tmp/ck/comfyui/models/*/*.safetensors > /dev/null

@@ -100,7 +100,7 @@ class Ledger:
         module.requires_grad_(False).eval()
         tensors = _tensors(module)
         flat = None
-        if pinned:  # every tensor is a view of one page-locked buffer (models.common.pinned_arena)
+        if pinned:  # every tensor is a view of one page-locked buffer (models.common.host_pages, pin_pages)
             storage = next(iter(tensors.values())).untyped_storage()
             flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
         self._note(Event("pin", info.key, "file", time.perf_counter() - t0, info.nbytes), info)

@@ -39,7 +39,7 @@ def _register_in_comfyui() -> None:
     if instance is None or "comfy.model_management" not in sys.modules:
         return
     try:
-        from .server import add_comfy_routes
+        from .server.app import add_comfy_routes
 
         add_comfy_routes(instance.routes)
     except Exception:  # never break ComfyUI's start-up over the panel's route

@@ -65,7 +65,7 @@ ours() {  # $1 label, rest: vramgraph serve arguments
   prewarm $label
   echo "== t=$(el) vramgraph $label: $*"
   PYTHONPATH=/tmp/pkgs:/tmp/site python3 -m vramgraph serve --port 8189 --models /tmp/ck/comfyui/models \
-    --output /tmp/ours_out --input /tmp/ours_in "$@" > $L/ours_$label.log 2>&1 &
+    --output /tmp/ours_out --input /tmp/ours_in --plugin bench/peer_routes.py "$@" > $L/ours_$label.log 2>&1 &
   pid=$!
   timeout 300 python3 .whl/peer/peer_bench.py --port 8189 --label $label --out $P --results $L/results_$label.json \
     --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8

@@ -29,12 +29,12 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env
-from vramgraph.demo import SHIPPED_NAMES
 from vramgraph.graph import planner
 from vramgraph.graph.budget import budget_for
 from vramgraph.graph.executor import Engine
 from vramgraph.models.flux2 import KLEIN_4B, Flux2Transformer
 from vramgraph.models.qwen3 import Qwen3Config, Qwen3Encoder
+from vramgraph.models.tiny import SHIPPED_NAMES
 from vramgraph.models.vae import Flux2VAE
 from vramgraph.nodes.files import Folders
 

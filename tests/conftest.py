@@ -40,7 +40,7 @@ INPUT_IMAGES = {"reference.png": (80, 64), "reference_2.png": (64, 96), "handbag
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ComfyUI-style models/ folder (diffusion_models/, text_encoders/, vae/) of tiny models, read-only to tests."""
-    from vramgraph.demo import write_tiny_models
+    from vramgraph.models.tiny import write_tiny_models
 
     return write_tiny_models(tmp_path_factory.mktemp("tiny") / "models", names=TINY_MODEL_NAMES)
 

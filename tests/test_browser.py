@@ -52,11 +52,11 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from vramgraph.demo import SHIPPED_NAMES, write_tiny_models
     from vramgraph.graph.budget import Budget
     from vramgraph.graph.executor import Engine
+    from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes.files import Folders
-    from vramgraph.server import ServerThread, make_app
+    from vramgraph.server.app import ServerThread, make_app
 
     tmp = tmp_path_factory.mktemp("browser")
     write_tiny_models(tmp / "models", names=SHIPPED_NAMES)

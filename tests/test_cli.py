@@ -44,7 +44,7 @@ def text_chunks(path: Path) -> tuple[tuple[int, int], dict[str, str]]:
 
 def expected_prompt(path: Path, sets: list[str]) -> dict:
     """The API prompt `vramgraph run` runs: the file (converted if UI format) with the --set values."""
-    from vramgraph.cli import apply_sets
+    from vramgraph.cli.main import apply_sets
 
     return apply_sets(load_workflow(path).prompt, [s for s in sets if s != "--set"])
 

@@ -30,7 +30,7 @@ class Interrupted(Exception):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
-    from vramgraph.demo import SHIPPED_NAMES, write_tiny_models
+    from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
 
     return write_tiny_models(tmp_path_factory.mktemp("comfy") / "models", names=SHIPPED_NAMES)
 
@@ -151,7 +151,7 @@ def test_plan_route_is_added_to_comfyui_server(pack):
     prompt["5"]["inputs"].update(width=64, height=64)
     import requests
 
-    with sys.modules[pack.__name__ + ".server"].ServerThread(app) as srv:
+    with sys.modules[pack.__name__ + ".server.app"].ServerThread(app) as srv:
         r = requests.post(srv.url + "/vramgraph/plan", json={"prompt": prompt}, timeout=60)
         assert r.status_code == 200, r.text
         body = r.json()

@@ -10,14 +10,15 @@ import pytest
 import torch
 from PIL import Image
 from vramgraph.cli import main as cli
+from vramgraph.cli.session import Session
 from vramgraph.graph import planner
 from vramgraph.graph.budget import Budget
 from vramgraph.graph.executor import Engine
+from vramgraph.graph.prompts import build_prompt
 from vramgraph.graph.queue import merge
 from vramgraph.models.preview import preview_rgb, unpatchify
 from vramgraph.models.vae import patchify
 from vramgraph.nodes.files import Folders
-from vramgraph.session import Session, build_prompt
 
 SIDE = 64
 

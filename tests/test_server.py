@@ -65,7 +65,7 @@ def text_to_image(size: int = 64, steps: int = 2) -> dict:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from vramgraph.demo import SHIPPED_NAMES, write_tiny_models
+    from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes.files import Folders
 
     tmp = tmp_path_factory.mktemp("server")
@@ -80,7 +80,7 @@ def folders(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(folders):
     from vramgraph.graph.executor import Engine
-    from vramgraph.server import ServerThread, make_app
+    from vramgraph.server.app import ServerThread, make_app
 
     with ServerThread(make_app(Engine(folders, nodes=NODES))) as srv:
         yield srv
@@ -513,7 +513,7 @@ def _loads(engine: Any) -> list[str]:
 def test_queued_prompts_run_as_one_batch(folders):
     """Three prompts waiting when the worker starts: one merged plan, each model loaded once, and every client
     sees ComfyUI's events for its own prompts with their own node ids, each ending as soon as its image exists."""
-    from vramgraph.server import ROUTES, ServerThread, make_app
+    from vramgraph.server.app import ROUTES, ServerThread, make_app
 
     engine = tight_engine(folders)
     app = make_app(engine, start_worker=False)
@@ -617,7 +617,7 @@ def test_a_failing_prompt_in_a_batch(folders, monkeypatch):
     """The decode of one prompt fails: the prompt completed before it stays successful, the others run again
     alone, so the failing one reports its error with its own node id and the last one still succeeds."""
     import vramgraph.nodes.ops as ops
-    from vramgraph.server import ROUTES, ServerThread, make_app
+    from vramgraph.server.app import ROUTES, ServerThread, make_app
 
     decode = ops.vae_decode
 
@@ -654,7 +654,7 @@ def test_a_failing_prompt_in_a_batch(folders, monkeypatch):
 
 def test_interrupting_a_batch(folders):
     """An interrupt stops the batch: every prompt of it not complete yet is interrupted."""
-    from vramgraph.server import ROUTES, ServerThread, make_app
+    from vramgraph.server.app import ROUTES, ServerThread, make_app
 
     app = make_app(tight_engine(folders), start_worker=False)
     with ServerThread(app) as srv:

@@ -16,8 +16,8 @@ from typing import Any
 
 import networkx as nx
 
-from .graph.validate import input_types
-from .graph.workflow import WidgetSlot, widget_positions, widget_slots
+from ..graph.validate import input_types
+from ..graph.workflow import WidgetSlot, widget_positions, widget_slots
 
 GiB = 2**30
 
@@ -36,7 +36,7 @@ def node_info(name: str, cls: type, folders: Any = None, display_names: Mapping[
 
 
 def object_info(nodes: Mapping[str, type], folders: Any = None) -> dict:
-    from .nodes import VG_DISPLAY_NAMES, VG_NODES
+    from ..nodes import VG_DISPLAY_NAMES, VG_NODES
 
     return {name: node_info(name, cls, folders, VG_DISPLAY_NAMES,
                             "custom_nodes.vramgraph" if name in VG_NODES else "nodes")
@@ -44,7 +44,7 @@ def object_info(nodes: Mapping[str, type], folders: Any = None) -> dict:
 
 
 def _ram() -> tuple[int, int]:
-    from .graph.budget import host_available
+    from ..graph.budget import host_available
 
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -57,7 +57,7 @@ def system_stats(engine: Any) -> dict:
     """ComfyUI's /system_stats, plus our budget under "vramgraph"."""
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     ram_total, ram_free = _ram()
     dev = engine.device

@@ -1,4 +1,4 @@
-"""The server's queue, its websockets and its one worker thread (see server.py).
+"""The server's queue, its websockets and its one worker thread (see app.py).
 
 `PromptQueue` is ComfyUI's queue (pending items ordered by number, the running one, the history);
 `Hub` holds the websockets and one ordered outgoing message queue on the event loop; `Worker` is the
@@ -16,13 +16,9 @@ incomplete prompt of the batch. Prompts not yet taken stay in the queue, where /
 
 from __future__ import annotations
 
-import asyncio
 import heapq
-import io
 import itertools
-import json
 import logging
-import struct
 import threading
 import time
 import uuid
@@ -30,13 +26,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
+from .hub import PREVIEW_IMAGE, Hub, encode_preview
 
 log = logging.getLogger("vramgraph.server")
 MAX_HISTORY = 1000
 MAX_BATCH = 16  # prompts planned together at most
-PREVIEW_IMAGE = 1  # ComfyUI's binary event type; then 4 bytes of image format (1 JPEG, 2 PNG), then the image
-IMAGE_FORMATS = {"JPEG": 1, "PNG": 2}
+
+
 Item = tuple  # (number, prompt_id, prompt, extra_data, outputs_to_execute): a queue entry as ComfyUI lists it
 
 
@@ -141,64 +137,6 @@ class PromptQueue:
                 self.history.pop(prompt_id, None)
 
 
-def encode_preview(image: Any, fmt: str = "PNG", max_size: int | None = None) -> bytes:
-    """A PIL image as ComfyUI's binary preview frame: event type 1, image format (1 JPEG, 2 PNG), the image."""
-    from PIL import ImageOps
-
-    if max_size is not None:
-        image = ImageOps.contain(image, (max_size, max_size))
-    buf = io.BytesIO()
-    buf.write(struct.pack(">II", PREVIEW_IMAGE, IMAGE_FORMATS[fmt]))
-    image.convert("RGB").save(buf, format=fmt, quality=95, compress_level=1)
-    return buf.getvalue()
-
-
-class Hub:
-    """The websockets by client id, and the one ordered queue of outgoing messages."""
-
-    def __init__(self) -> None:
-        self.sockets: dict[str, web.WebSocketResponse] = {}
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.messages: asyncio.Queue | None = None
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.messages = asyncio.Queue()
-        self._task = self.loop.create_task(self._publish())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for ws in list(self.sockets.values()):
-            await ws.close()
-
-    def send(self, kind: str | int, data: Any, sid: str | None = None) -> None:
-        """Queue a message from the event loop's thread (sid None: every client)."""
-        if self.messages is not None:
-            self.messages.put_nowait((kind, data, sid))
-
-    def send_threadsafe(self, kind: str | int, data: Any, sid: str | None = None) -> None:
-        """Queue a message from any thread (the worker's)."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.send, kind, data, sid)
-
-    async def _publish(self) -> None:
-        assert self.messages is not None
-        while True:
-            kind, data, sid = await self.messages.get()
-            targets = list(self.sockets.values()) if sid is None else \
-                [self.sockets[sid]] if sid in self.sockets else []
-            for ws in targets:
-                try:
-                    if isinstance(data, bytes | bytearray):
-                        await ws.send_bytes(bytes(data))
-                    else:
-                        await ws.send_str(json.dumps({"type": kind, "data": data}, default=str))
-                except (ConnectionError, RuntimeError) as e:
-                    log.warning("websocket send failed: %s", e)
-
-
 class Worker:
     """The one thread that owns the engine: takes prompts off the queue, runs them, reports events."""
 
@@ -246,9 +184,9 @@ class Worker:
                 self.engine.free(bool(flags.get("unload_models")), bool(flags.get("free_memory")))
 
     def execute(self, item: Item) -> None:
-        from .graph.errors import InterruptedRun, NodeExecutionError, ValidationFailed
-        from .graph.planner import PlanError
-        from .graph.timeline import timeline_data
+        from ..graph.errors import InterruptedRun, NodeExecutionError, ValidationFailed
+        from ..graph.planner import PlanError
+        from ..graph.timeline import timeline_data
 
         pid, prompt, extra = item[1:4]
         sid = extra.get("client_id")
@@ -347,8 +285,8 @@ class Worker:
 
     def execute_batch(self, items: list[Item]) -> None:
         """Run several queued prompts as one merged graph, each reported to its client as if it ran alone."""
-        from .graph.errors import InterruptedRun
-        from .graph.timeline import timeline_data
+        from ..graph.errors import InterruptedRun
+        from ..graph.timeline import timeline_data
 
         try:
             prep, merged = self.engine.prepare_queue([i[2] for i in items], [i[3].get("extra_pnginfo") for i in items])
@@ -542,4 +480,4 @@ def _entry(item: Item, ui: dict, ok: bool, messages: list, report: dict) -> dict
             "vramgraph": report}
 
 
-__all__ = ["IMAGE_FORMATS", "MAX_BATCH", "PREVIEW_IMAGE", "Hub", "PromptQueue", "Worker", "encode_preview"]
+__all__ = ["MAX_BATCH", "PromptQueue", "Worker"]

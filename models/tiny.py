@@ -1,23 +1,21 @@
-"""`vramgraph demo`: the whole path on a machine without real weights.
+"""Tiny random-weight models for the demo and the tests.
 
 Writes tiny random-weight models shaped like FLUX.2 [klein] (transformer, Qwen3 encoder, VAE) as a
-ComfyUI `models/` folder with the real key names, then recognises, loads and runs them exactly as
-`vramgraph generate` does: a text-to-image and an edit of that image. The pictures are noise (the
-weights are random); what the demo shows is that the install, the loaders and the sampler work.
+ComfyUI `models/` folder with the real key names, so that the loaders recognise and run them exactly as
+they do real checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from .models.flux2 import KLEIN_4B, Flux2Transformer
-from .models.qwen3 import Qwen3Config, Qwen3Encoder
-from .models.vae import Flux2VAE, VAEConfig
+from .flux2 import KLEIN_4B, Flux2Transformer
+from .qwen3 import Qwen3Config, Qwen3Encoder
+from .vae import Flux2VAE, VAEConfig
 
 TINY_QWEN3 = dataclasses.replace(Qwen3Config(), hidden_size=64, intermediate_size=128, num_layers=27, num_heads=4,
                                  num_kv_heads=2, head_dim=16)
@@ -56,28 +54,3 @@ def write_tiny_models(models: Path, seed: int = 0, names: dict[str, str | list[s
 
 SHIPPED_NAMES = {"transformer": ["flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors"],
                  "text_encoder": "qwen_3_4b.safetensors", "vae": "flux2-vae.safetensors"}
-
-
-def run_demo(out: Path, size: int = 256) -> tuple[list[Path], float]:
-    """Tiny models under the shipped workflows' file names in `out/models`, then the shipped text-to-image
-    workflow and an edit of its picture through the graph engine; returns the PNGs and the seconds taken."""
-    import json
-    import shutil
-
-    from .graph.executor import Engine
-    from .nodes.files import Folders
-
-    workflows = Path(__file__).parent / "workflows"
-    folders = Folders(models=(out / "models",), input=out / "input", output=out / "output", temp=out / "temp")
-    write_tiny_models(out / "models", names=SHIPPED_NAMES)
-    engine = Engine(folders)
-    t0 = time.perf_counter()
-    pngs = []
-    for name in ("text_to_image", "edit"):
-        prompt = json.loads((workflows / f"{name}.json").read_text())
-        prompt["5"]["inputs"].update(width=size, height=size)
-        if name == "edit":
-            folders.input.mkdir(parents=True, exist_ok=True)
-            shutil.copy(pngs[0], folders.input / "reference.png")
-        pngs += engine.run(prompt).images
-    return pngs, time.perf_counter() - t0

@@ -22,9 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..graph.runtime import engine_from, folders_from
+
 log = logging.getLogger("vramgraph")
-WORKFLOWS = Path(__file__).parent / "workflows"
-CONFIG_PLACES = (Path("vramgraph.json"), Path.home() / ".config" / "vramgraph" / "config.json")
+WORKFLOWS = Path(__file__).parent.parent / "workflows"
 
 
 def _engine_args(p: argparse.ArgumentParser, outputs: bool = True) -> None:
@@ -89,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8188, help="port (default 8188, ComfyUI's)")
     s.add_argument("--demo", action="store_true",
                    help="serve tiny random-weight models (written to ./vramgraph-demo/models) instead of --models")
+    s.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
+                   help="a plugin whose setup(app, engine) adds routes (repeatable; bench/peer_routes.py)")
     s.add_argument("--previews", action="store_true",
                    help="step previews for every prompt (default: only for prompts whose extra_data asks, as ComfyUI)")
     _engine_args(s)
@@ -102,47 +105,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------ settings
-
-def _config(args: argparse.Namespace) -> dict:
-    places = [Path(args.config)] if getattr(args, "config", None) else list(CONFIG_PLACES)
-    if os.environ.get("VRAMGRAPH_CONFIG") and not getattr(args, "config", None):
-        places.insert(0, Path(os.environ["VRAMGRAPH_CONFIG"]))
-    for p in places:
-        if p.is_file():
-            try:
-                return json.loads(p.read_text())
-            except ValueError as e:
-                raise ValueError(f"config {p}: not valid JSON ({e})") from e
-        if getattr(args, "config", None):
-            raise ValueError(f"config {p}: no such file")
-    return {}
-
-
-def folders_from(args: argparse.Namespace) -> Any:
-    from .nodes.files import Folders
-
-    cfg = _config(args)
-    models = args.models or ([os.environ["VRAMGRAPH_MODELS"]] if os.environ.get("VRAMGRAPH_MODELS") else None) \
-        or cfg.get("models") or ["models"]
-    models = [models] if isinstance(models, str) else models
-    return Folders(models=tuple(Path(m).expanduser() for m in models),
-                   input=Path(args.input or cfg.get("input", "input")).expanduser(),
-                   output=Path(getattr(args, "output", None) or cfg.get("output", "output")).expanduser(),
-                   temp=Path(cfg.get("temp", Path(getattr(args, "output", None) or "output") / "temp")).expanduser())
-
-
-def engine_from(args: argparse.Namespace, allow_builtin: bool = False, host: str | None = None) -> Any:
-    import torch
-
-    from .graph.budget import budget_for
-    from .graph.executor import Engine
-
-    cfg = _config(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    budget = budget_for(device, args.vram or cfg.get("vram"), args.reserve or cfg.get("reserve"), host)
-    return Engine(folders_from(args), device=str(device), dtype=args.dtype, budget=budget,
-                  allow_builtin=allow_builtin)
-
 
 def _value(text: str) -> Any:
     try:
@@ -168,7 +130,7 @@ def apply_sets(prompt: dict, sets: list[str]) -> dict:
 
 
 def _load(args: argparse.Namespace, workflow: str | None = None) -> Any:
-    from .graph.workflow import load_workflow
+    from ..graph.workflow import load_workflow
 
     path = Path(workflow or (args.workflow[0] if isinstance(args.workflow, list) else args.workflow))
     if not path.exists() and (WORKFLOWS / path.name).exists():
@@ -217,7 +179,7 @@ def run_workflows(args: argparse.Namespace, wfs: list, engine: Any = None) -> tu
         result = engine.run(wfs[0].prompt, extra_pnginfo=extras[0], events=_Bars(wfs[0].prompt, preview))
         images = [result.images]
     else:
-        from .graph.queue import merge
+        from ..graph.queue import merge
 
         bars = _Bars(merge([wf.prompt for wf in wfs]).prompt, preview)
         result, images = engine.run_queue([wf.prompt for wf in wfs], extra_pnginfo=extras, events=bars)
@@ -232,7 +194,7 @@ def run_workflow(args: argparse.Namespace, wf: Any, engine: Any = None) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     if args.demo:
-        from .demo import SHIPPED_NAMES, write_tiny_models
+        from ..models.tiny import SHIPPED_NAMES, write_tiny_models
 
         models = Path("vramgraph-demo") / "models"
         if not (models / "vae" / SHIPPED_NAMES["vae"]).exists():
@@ -248,9 +210,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .graph.errors import WorkflowError
-    from .graph.validate import validate
-    from .nodes import ENGINE_NODES
+    from ..graph.errors import WorkflowError
+    from ..graph.validate import validate
+    from ..nodes import ENGINE_NODES
 
     try:
         prompt = _load(args).prompt
@@ -295,7 +257,7 @@ def _resize(prompt: dict, size: str) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .graph.timeline import timeline_svg
+    from ..graph.timeline import timeline_svg
 
     wf = _load(args)
     if args.size:
@@ -329,8 +291,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     from PIL import Image
 
-    from .graph.workflow import Workflow
-    from .session import build_prompt
+    from ..graph.prompts import build_prompt
+    from ..graph.workflow import Workflow
 
     texts = _prompts(args)
     names = {"checkpoint": args.checkpoint} if args.checkpoint else \
@@ -374,7 +336,7 @@ def _session(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     import torch
 
-    from .models import loading
+    from ..models import loading
 
     spec = loading.inspect(args.models)
     out = {"variant": spec.variant, "distilled": spec.distilled, "distilled_from": spec.distilled_from,
@@ -399,7 +361,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    from ..server.app import serve
 
     return serve(args)
 
@@ -415,9 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv or ["session"])
-    from .graph.errors import VramgraphError
-    from .graph.planner import PlanError
-    from .models.common import CheckpointError
+    from ..graph.errors import VramgraphError
+    from ..graph.planner import PlanError
+    from ..models.common import CheckpointError
 
     try:
         return COMMANDS[args.command](args)

@@ -1,32 +1,13 @@
-"""The local server: ComfyUI's HTTP and websocket API over our engine, and the page in web/ at `/`.
-
-    vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB]
-
-Existing ComfyUI clients work unchanged: POST /prompt (validated when submitted, errors as ComfyUI
-answers them), /queue, /history, /view, /object_info, /upload/image, /interrupt, /free,
-/system_stats, and /ws with ComfyUI's events (status, execution_start, execution_cached, executing,
-progress, executed, execution_success, execution_error, execution_interrupted, binary preview frames).
-Every route also answers under /api, as ComfyUI's does. Our additions: the `vramgraph.plan` event
-(the running prompt's plan and its timeline) and `vramgraph.step` (each load and unload as it
-happens), and POST /vramgraph/plan, /vramgraph/convert, /vramgraph/ui for the page.
-
-One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
-reach the websockets through one outgoing message queue on the event loop, so they keep their order.
-Files are served and written only inside the input, output and temp folders.
-"""
+"""The server's request handlers: ComfyUI's routes and ours (see app.py for the list), over one engine."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import itertools
 import json
 import logging
-import mimetypes
 import os
-import platform
-import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -35,12 +16,12 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from . import server_formats as formats
-from .server_queue import Hub, PromptQueue, Worker, encode_preview
+from . import formats
+from .hub import Hub
+from .queue import PromptQueue, Worker
 
 log = logging.getLogger("vramgraph.server")
-WEB = Path(__file__).parent / "web"
-
+ROOT = Path(__file__).parent.parent
 
 # ------------------------------------------------------------------------------------------------ routes
 
@@ -113,7 +94,7 @@ class Routes:
         return web.json_response(self.worker.status())
 
     async def post_prompt(self, request: web.Request) -> web.Response:
-        from .graph.validate import validate
+        from ..graph.validate import validate
 
         body = await _body(request)
         if not isinstance(body, dict):
@@ -253,8 +234,8 @@ class Routes:
         return await plan_response(request, lambda: self.planner, self._plan_lock)
 
     async def convert(self, request: web.Request) -> web.Response:
-        from .graph.errors import WorkflowError
-        from .graph.workflow import load_workflow
+        from ..graph.errors import WorkflowError
+        from ..graph.workflow import load_workflow
 
         body = await _body(request)
         data = body.get("workflow") if isinstance(body, dict) and "workflow" in body else body
@@ -278,11 +259,11 @@ class Routes:
         return web.json_response(ui, dumps=_dumps)
 
     async def workflows(self, request: web.Request) -> web.Response:
-        return web.json_response(sorted(p.stem for p in (Path(__file__).parent / "workflows").glob("*.json")))
+        return web.json_response(sorted(p.stem for p in (ROOT / "workflows").glob("*.json")))
 
     async def workflow(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"].removesuffix(".json")
-        path = _inside(Path(__file__).parent / "workflows", f"{name}.json")
+        path = _inside(ROOT / "workflows", f"{name}.json")
         if path is None or not path.is_file():
             return web.Response(status=404)
         return web.FileResponse(path)
@@ -290,9 +271,9 @@ class Routes:
 
 async def plan_response(request: web.Request, planner: Callable[[], Any], lock: threading.Lock) -> web.Response:
     """POST {"prompt": API format} -> {"plan", "timeline", "table"}, or ComfyUI's error body (HTTP 400)."""
-    from .graph.errors import ValidationFailed
-    from .graph.planner import PlanError
-    from .graph.timeline import timeline_data
+    from ..graph.errors import ValidationFailed
+    from ..graph.planner import PlanError
+    from ..graph.timeline import timeline_data
 
     body = await _body(request)
     prompt = body.get("prompt") if isinstance(body, dict) else None
@@ -315,163 +296,6 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
                              dumps=_dumps)
 
 
-def add_comfy_routes(routes: web.RouteTableDef) -> None:
-    """Inside ComfyUI (called by the pack's __init__): POST /vramgraph/plan for the front-end panel.
-
-    The planning engine is made on first use from ComfyUI's folders and device; it plans with the files'
-    real sizes, or the built-in klein sizes when a file is absent. It runs nothing.
-    """
-    made: list[Any] = []
-    lock = threading.Lock()
-
-    def planner() -> Any:
-        if not made:
-            from .graph.executor import Engine
-            from .nodes.comfy import comfy_folders
-
-            made.append(Engine(comfy_folders(), device=str(_comfy_device()), allow_builtin=True))
-        return made[0]
-
-    async def plan(request: web.Request) -> web.Response:
-        return await plan_response(request, planner, lock)
-
-    routes.post("/vramgraph/plan")(plan)
-
-
-def _comfy_device() -> Any:
-    import comfy.model_management as mm  # type: ignore[import-not-found]
-
-    return mm.get_torch_device()
-
-
-ROUTES = web.AppKey("vramgraph", Routes)  # app[ROUTES]: the queue, worker and hub behind an app
-
-
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, default=str)
 
-
-async def _index(request: web.Request) -> web.StreamResponse:
-    return web.FileResponse(WEB / "index.html", headers={"Cache-Control": "no-cache"})
-
-
-def memory_stats(engine: Any, reset: bool = False) -> dict:
-    """Torch allocator figures (peaks since the last reset, across nodes) and the models on the GPU; `reset`
-    restarts the peak counters first."""
-    import torch
-
-    out: dict[str, Any] = {"loaded_models": sorted(engine.ledger.on_gpu)}
-    if engine.device.type == "cuda":
-        max_allocated, max_reserved = engine.peaks(reset)
-        free, total = torch.cuda.mem_get_info(engine.device)
-        out.update(max_allocated=max_allocated, max_reserved=max_reserved,
-                   allocated=torch.cuda.memory_allocated(engine.device),
-                   reserved=torch.cuda.memory_reserved(engine.device), dev_free=free, dev_total=total)
-    return out
-
-
-def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
-             batch: bool = True) -> web.Application:
-    """The aiohttp application over `engine` (a graph.executor.Engine).
-
-    `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
-    second Engine on the same folders and budget that may plan with built-in model sizes when files are
-    absent). Step previews go out as ComfyUI's binary frames for prompts whose extra_data has a
-    `preview_method` other than "none", or for every prompt with `previews` (ComfyUI sends none by default,
-    and some clients take any binary frame for a result). The worker thread starts and stops with the app.
-    """
-    from .graph.executor import Engine
-
-    mimetypes.add_type("text/javascript", ".mjs")
-    planner = planner or Engine(engine.folders, device=str(engine.device), dtype=engine.dtype, budget=engine.budget,
-                                nodes=engine.nodes, cost=engine.cost, allow_builtin=True)
-    queue, hub = PromptQueue(), Hub()
-    worker = Worker(engine, queue, hub, previews, batch=batch)
-    routes = Routes(engine, queue, hub, worker, planner)
-    app = web.Application(client_max_size=256 * 2**20)
-    app[ROUTES] = routes
-    for method, path, handler in routes.table():
-        app.router.add_route(method, path, handler)
-        app.router.add_route(method, "/api" + path, handler)
-    app.router.add_get("/", _index)
-    app.router.add_static("/web/", WEB, show_index=False, follow_symlinks=False)
-    # the benchmark client's memory probe (shared/tools/comfyui-peer reads it from ComfyUI the same way)
-    app.router.add_get("/peer/mem", lambda request: web.json_response(memory_stats(engine)))
-    app.router.add_post("/peer/reset_peak", lambda request: web.json_response(memory_stats(engine, reset=True)))
-
-    async def started(app: web.Application) -> None:
-        hub.start()
-        if start_worker:
-            worker.start()
-
-    async def stopping(app: web.Application) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, worker.stop)
-        await hub.stop()
-
-    app.on_startup.append(started)
-    app.on_shutdown.append(stopping)
-    return app
-
-
-class ServerThread:
-    """The app served on host:port from a thread of its own (tests, notebooks); `with` starts and stops it."""
-
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.app, self.host, self.port = app, host, port
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, name="vramgraph-server", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> ServerThread:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(60)
-        return self
-
-    async def _start(self) -> None:
-        self._runner = web.AppRunner(self.app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the port chosen when 0 was asked
-
-    def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(60)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    def __enter__(self) -> ServerThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def serve(args: argparse.Namespace) -> int:
-    """`vramgraph serve`: the engine from the command line's options, served until Ctrl-C."""
-    from .cli import engine_from
-
-    if getattr(args, "demo", False):
-        from .demo import SHIPPED_NAMES, write_tiny_models
-
-        models = Path("vramgraph-demo") / "models"
-        if not (models / "vae" / SHIPPED_NAMES["vae"]).exists():
-            write_tiny_models(models, names=SHIPPED_NAMES)
-        args.models = [str(models)]
-    engine = engine_from(args)
-    for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
-        folder.mkdir(parents=True, exist_ok=True)
-    engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
-    log.info("vramgraph %s on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", "serve", args.host,
-             args.port, engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
-    web.run_app(make_app(engine, previews=getattr(args, "previews", False)), host=args.host, port=args.port,
-                print=None)
-    return 0
-
-
-__all__ = ["ROUTES", "Hub", "PromptQueue", "ServerThread", "Worker", "add_comfy_routes", "encode_preview", "make_app",
-           "plan_response", "serve"]

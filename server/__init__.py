@@ -1,0 +1,5 @@
+"""The local server: ComfyUI's HTTP and websocket API plus the plan page (`vramgraph serve`).
+
+`app.py` builds the aiohttp application, `routes.py` answers the requests, `queue.py` holds the prompt
+queue and the worker that runs it, `hub.py` sends websocket events, `formats.py` shapes responses.
+"""

@@ -1,0 +1,207 @@
+"""The local server: ComfyUI's HTTP and websocket API over our engine, and the page in web/ at `/`.
+
+    vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB]
+
+Existing ComfyUI clients work unchanged: POST /prompt (validated when submitted, errors as ComfyUI
+answers them), /queue, /history, /view, /object_info, /upload/image, /interrupt, /free,
+/system_stats, and /ws with ComfyUI's events (status, execution_start, execution_cached, executing,
+progress, executed, execution_success, execution_error, execution_interrupted, binary preview frames).
+Every route also answers under /api, as ComfyUI's does. Our additions: the `vramgraph.plan` event
+(the running prompt's plan and its timeline) and `vramgraph.step` (each load and unload as it
+happens), and POST /vramgraph/plan, /vramgraph/convert, /vramgraph/ui for the page.
+
+One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
+reach the websockets through one outgoing message queue on the event loop, so they keep their order.
+Files are served and written only inside the input, output and temp folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import mimetypes
+import platform
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from .hub import Hub
+from .queue import PromptQueue, Worker
+from .routes import Routes, plan_response
+
+log = logging.getLogger("vramgraph.server")
+ROOT = Path(__file__).parent.parent
+WEB = ROOT / "web"
+
+
+def add_comfy_routes(routes: web.RouteTableDef) -> None:
+    """Inside ComfyUI (called by the pack's __init__): POST /vramgraph/plan for the front-end panel.
+
+    The planning engine is made on first use from ComfyUI's folders and device; it plans with the files'
+    real sizes, or the built-in klein sizes when a file is absent. It runs nothing.
+    """
+    made: list[Any] = []
+    lock = threading.Lock()
+
+    def planner() -> Any:
+        if not made:
+            from ..graph.executor import Engine
+            from ..nodes.comfy import comfy_folders
+
+            made.append(Engine(comfy_folders(), device=str(_comfy_device()), allow_builtin=True))
+        return made[0]
+
+    async def plan(request: web.Request) -> web.Response:
+        return await plan_response(request, planner, lock)
+
+    routes.post("/vramgraph/plan")(plan)
+
+
+def _comfy_device() -> Any:
+    import comfy.model_management as mm  # type: ignore[import-not-found]
+
+    return mm.get_torch_device()
+
+
+
+ROUTES = web.AppKey("vramgraph", Routes)  # app[ROUTES]: the queue, worker and hub behind an app
+
+
+async def _index(request: web.Request) -> web.StreamResponse:
+    return web.FileResponse(WEB / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
+             batch: bool = True, plugins: tuple[str, ...] = ()) -> web.Application:
+    """The aiohttp application over `engine` (a graph.executor.Engine).
+
+    `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
+    second Engine on the same folders and budget that may plan with built-in model sizes when files are
+    absent). Step previews go out as ComfyUI's binary frames for prompts whose extra_data has a
+    `preview_method` other than "none", or for every prompt with `previews` (ComfyUI sends none by default,
+    and some clients take any binary frame for a result). The worker thread starts and stops with the app.
+    `plugins` are Python files or module names whose `setup(app, engine)` adds routes (bench/ has one).
+    """
+    from ..graph.executor import Engine
+
+    mimetypes.add_type("text/javascript", ".mjs")
+    planner = planner or Engine(engine.folders, device=str(engine.device), dtype=engine.dtype, budget=engine.budget,
+                                nodes=engine.nodes, cost=engine.cost, allow_builtin=True)
+    queue, hub = PromptQueue(), Hub()
+    worker = Worker(engine, queue, hub, previews, batch=batch)
+    routes = Routes(engine, queue, hub, worker, planner)
+    app = web.Application(client_max_size=256 * 2**20)
+    app[ROUTES] = routes
+    for method, path, handler in routes.table():
+        app.router.add_route(method, path, handler)
+        app.router.add_route(method, "/api" + path, handler)
+    app.router.add_get("/", _index)
+    app.router.add_static("/web/", WEB, show_index=False, follow_symlinks=False)
+    for plugin in plugins:
+        load_plugin(plugin)(app, engine)
+
+    async def started(app: web.Application) -> None:
+        hub.start()
+        if start_worker:
+            worker.start()
+
+    async def stopping(app: web.Application) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        await hub.stop()
+
+    app.on_startup.append(started)
+    app.on_shutdown.append(stopping)
+    return app
+
+
+def load_plugin(spec: str) -> Callable[[web.Application, Any], None]:
+    """The `setup(app, engine)` of a plugin given as a .py file or an importable module name."""
+    import importlib
+    import importlib.util
+
+    if spec.endswith(".py"):
+        path = Path(spec)
+        loader = importlib.util.spec_from_file_location(f"vramgraph_plugin_{path.stem}", path)
+        if loader is None or not path.is_file():
+            raise ValueError(f"--plugin {spec}: no such file")
+        module = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)  # type: ignore[union-attr]
+    else:
+        try:
+            module = importlib.import_module(spec)
+        except ImportError as e:
+            raise ValueError(f"--plugin {spec}: cannot import it ({e})") from e
+    setup = getattr(module, "setup", None)
+    if not callable(setup):
+        raise ValueError(f"--plugin {spec}: it has no setup(app, engine) function")
+    return setup
+
+
+class ServerThread:
+    """The app served on host:port from a thread of its own (tests, notebooks); `with` starts and stops it."""
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app, self.host, self.port = app, host, port
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vramgraph-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(60)
+        return self
+
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(self.app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the port chosen when 0 was asked
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`vramgraph serve`: the engine from the command line's options, served until Ctrl-C."""
+    from ..graph.runtime import engine_from
+
+    if getattr(args, "demo", False):
+        from ..models.tiny import SHIPPED_NAMES, write_tiny_models
+
+        models = Path("vramgraph-demo") / "models"
+        if not (models / "vae" / SHIPPED_NAMES["vae"]).exists():
+            write_tiny_models(models, names=SHIPPED_NAMES)
+        args.models = [str(models)]
+    engine = engine_from(args)
+    for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
+        folder.mkdir(parents=True, exist_ok=True)
+    engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
+    log.info("vramgraph %s on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", "serve", args.host,
+             args.port, engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
+    app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()))
+    web.run_app(app, host=args.host, port=args.port,
+                print=None)
+    return 0
+
+
+
+__all__ = ["ROUTES", "ServerThread", "add_comfy_routes", "make_app", "serve"]

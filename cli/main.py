@@ -271,7 +271,8 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(prep.plan.table())
     if args.svg:
-        Path(args.svg).write_text(timeline_svg(prep.plan, f"{Path(args.workflow).name}"))
+        svg = timeline_svg(prep.plan, Path(args.workflow).name, card=engine.budget.card, prompt=prep.prompt)
+        Path(args.svg).write_text(svg, encoding="utf-8")
         log.info("timeline: %s", args.svg)
     return 0
 

@@ -153,6 +153,7 @@ class PlannedStep:
     resident: tuple[str, ...]  # GPU-resident model keys after the step
     seconds: float  # predicted
     note: str = ""  # why this step is here (shown to users)
+    streams: tuple[str, ...] = ()  # Run: models its variant reads from host memory while it runs (never resident)
 
 
 class PlanError(ValueError):
@@ -518,7 +519,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                              for a, ta in options if a is not v)
             note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
         steps.append(PlannedStep(Run(node, v.name), sum(sizes.w(r) for r in resident) + v.activation,
-                                 tuple(resident), v.seconds, note))
+                                 tuple(resident), v.seconds, note, tuple(v.streams)))
     return _Assigned(steps, chosen, Residency(frozenset(resident), frozenset(pinned)), loads)
 
 

@@ -186,7 +186,7 @@ class Worker:
     def execute(self, item: Item) -> None:
         from ..graph.errors import InterruptedRun, NodeExecutionError, ValidationFailed
         from ..graph.planner import PlanError
-        from ..graph.timeline import timeline_data
+        from ..graph.timeline import timeline_data, timeline_svg
 
         pid, prompt, extra = item[1:4]
         sid = extra.get("client_id")
@@ -212,7 +212,10 @@ class Worker:
                         ui[node] = cached
                         emit("executed", {"node": node, "display_node": node, "output": cached, "prompt_id": pid})
             elif kind == "plan":
-                self.plan_message = {"prompt_id": pid, "plan": data["plan"], "timeline": timeline_data(prep.plan)}
+                svg = timeline_svg(prep.plan, str(extra.get("workflow_name") or ""), card=self.engine.budget.card,
+                                   prompt=prep.prompt)
+                self.plan_message = {"prompt_id": pid, "plan": data["plan"], "timeline": timeline_data(prep.plan),
+                                     "svg": svg}
                 plan.update(data["plan"])
                 emit("vramgraph.plan", self.plan_message)
             elif kind == "executing":
@@ -286,7 +289,7 @@ class Worker:
     def execute_batch(self, items: list[Item]) -> None:
         """Run several queued prompts as one merged graph, each reported to its client as if it ran alone."""
         from ..graph.errors import InterruptedRun
-        from ..graph.timeline import timeline_data
+        from ..graph.timeline import timeline_data, timeline_svg
 
         try:
             prep, merged = self.engine.prepare_queue([i[2] for i in items], [i[3].get("extra_pnginfo") for i in items])
@@ -335,10 +338,13 @@ class Worker:
             node = data.get("node")
             if kind == "plan":
                 timeline = timeline_data(prep.plan)
+                names = {str(i[3].get("workflow_name") or "") for i in items}
+                svg = timeline_svg(prep.plan, names.pop() if len(names) == 1 else "", card=self.engine.budget.card,
+                                   prompt=prep.prompt)
                 for sid, first in _clients(members).items():
                     plan_messages[sid] = {"prompt_id": first.pid, "prompt_ids": pids, "batch": batch_id,
                                           "members": {m.pid: m.rename for m in members}, "plan": plan_json,
-                                          "timeline": timeline}
+                                          "timeline": timeline, "svg": svg}
                     self.hub.send_threadsafe("vramgraph.plan", plan_messages[sid], sid)
                 follow(members[0], None)
                 for m in members:

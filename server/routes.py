@@ -270,10 +270,11 @@ class Routes:
 
 
 async def plan_response(request: web.Request, planner: Callable[[], Any], lock: threading.Lock) -> web.Response:
-    """POST {"prompt": API format} -> {"plan", "timeline", "table"}, or ComfyUI's error body (HTTP 400)."""
+    """POST {"prompt": API format, "name"?: workflow name} -> {"plan", "timeline", "svg", "table"} (svg: the plan's
+    picture, the same drawing as `vramgraph plan --svg`), or ComfyUI's error body (HTTP 400)."""
     from ..graph.errors import ValidationFailed
     from ..graph.planner import PlanError
-    from ..graph.timeline import timeline_data
+    from ..graph.timeline import timeline_data, timeline_svg
 
     body = await _body(request)
     prompt = body.get("prompt") if isinstance(body, dict) else None
@@ -282,18 +283,21 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
 
     def run() -> Any:
         with lock:
-            return planner().prepare(prompt).plan
+            engine = planner()
+            prep = engine.prepare(prompt)
+            return prep.plan, timeline_svg(prep.plan, str(body.get("name") or ""), card=engine.budget.card,
+                                           prompt=prep.prompt)
 
     try:
-        plan = await asyncio.get_running_loop().run_in_executor(None, run)
+        plan, svg = await asyncio.get_running_loop().run_in_executor(None, run)
     except ValidationFailed as e:
         return web.json_response(e.response, status=400, dumps=_dumps)
     except PlanError as e:
         return web.json_response({"error": e.to_dict(), "node_errors": {}}, status=400)
     except (OSError, ValueError) as e:
         return _json_error(400, str(e), "plan_failed")
-    return web.json_response({"plan": plan.to_json(), "timeline": timeline_data(plan), "table": plan.table()},
-                             dumps=_dumps)
+    return web.json_response({"plan": plan.to_json(), "timeline": timeline_data(plan), "svg": svg,
+                              "table": plan.table()}, dumps=_dumps)
 
 
 def _dumps(obj: Any) -> str:

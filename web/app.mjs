@@ -3,7 +3,7 @@
 // Plain ES modules served by `vramgraph serve`; no build step, nothing fetched from elsewhere.
 
 import { drawGraph, renderForms, title } from "./graph.mjs";
-import { drawTimeline, gib, stepOfNode } from "./timeline.mjs";
+import { gib, showTimeline, stepOfNode } from "./timeline.mjs";
 
 const $ = (id) => document.getElementById(id);
 const clientId = (globalThis.crypto && crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2))
@@ -11,7 +11,7 @@ const clientId = (globalThis.crypto && crypto.randomUUID ? crypto.randomUUID() :
 
 const S = {
   infos: {}, prompt: null, ui: null, name: "workflow", status: {}, errors: {}, selected: null,
-  plan: null, timeline: null, live: false, current: null, reached: null, mine: new Set(), runs: 0, done: 0,
+  plan: null, timeline: null, svg: null, live: false, current: null, reached: null, mine: new Set(), runs: 0, done: 0,
 };
 
 // ------------------------------------------------------------------------------------------- helpers
@@ -71,9 +71,8 @@ function select(id) {
 }
 
 function drawPlan() {
-  if (!S.timeline) return;
-  drawTimeline($("timeline"), S.timeline, { plan: S.plan, current: S.current, reached: S.live ? S.reached : null,
-    width: $("timeline-wrap").clientWidth });
+  if (!S.timeline || !S.svg) return;
+  showTimeline($("timeline-wrap"), S.svg, { id: "timeline", current: S.current, reached: S.live ? S.reached : null });
   const steps = S.plan ? S.plan.steps : [];
   const loads = steps.filter((s) => s.kind === "load").length;
   const unloads = steps.filter((s) => s.kind === "unload").length;
@@ -122,9 +121,9 @@ function schedulePlan() {
 async function previewPlan() {
   if (!S.prompt || S.live) return;
   try {
-    const r = await api("/vramgraph/plan", { prompt: S.prompt });
+    const r = await api("/vramgraph/plan", { prompt: S.prompt, name: S.name });
     if (S.live) return;
-    S.plan = r.plan; S.timeline = r.timeline; S.current = null; S.reached = null;
+    S.plan = r.plan; S.timeline = r.timeline; S.svg = r.svg; S.current = null; S.reached = null;
     $("plan-kind").textContent = "(preview, before running)";
     drawPlan();
   } catch (e) {
@@ -168,7 +167,7 @@ function edit(id, name, value) {
 
 async function queue() {
   if (!S.prompt) return;
-  const body = { prompt: S.prompt, client_id: clientId, extra_data: { preview_method: "auto" } };
+  const body = { prompt: S.prompt, client_id: clientId, extra_data: { preview_method: "auto", workflow_name: S.name } };
   if (S.ui) body.extra_data.extra_pnginfo = { workflow: S.ui };
   try {
     const r = await api("/prompt", body);
@@ -204,7 +203,7 @@ const handlers = {
     setBars();
   },
   "vramgraph.plan"(d) {
-    S.plan = d.plan; S.timeline = d.timeline; S.live = true; S.reached = -1; S.current = null;
+    S.plan = d.plan; S.timeline = d.timeline; S.svg = d.svg; S.live = true; S.reached = -1; S.current = null;
     S.members = d.members || null;  // a batch: prompt id -> (its node id -> node id in the merged plan)
     $("plan-kind").textContent = `(live: ${d.prompt_id.slice(0, 8)})`;
     drawPlan();
@@ -309,7 +308,6 @@ async function start() {
     ev.target.value = "";
     if (name) await openJson(await api(`/vramgraph/workflows/${encodeURIComponent(name)}`), `${name}.json`);
   });
-  window.addEventListener("resize", () => drawPlan());
   connect();
   try {
     S.infos = await api("/object_info");

@@ -1,8 +1,9 @@
 // ComfyUI front-end extension of the vramgraph pack: a panel with the VRAM plan of the queued prompt.
 // ComfyUI loads every .js file of WEB_DIRECTORY as an extension; this is the only one. It asks the
 // pack's route POST /vramgraph/plan (added to ComfyUI's server by the pack) for the plan of the graph
-// when a prompt is queued, or when the "VRAM plan" button is pressed, and draws it with timeline.mjs
-// (the standalone page's drawing), falling back to the plan's text table.
+// when a prompt is queued, or when the "VRAM plan" button is pressed, and shows the plan's picture that
+// route sends (the same SVG as the standalone page and `vramgraph plan --svg`, inserted by timeline.mjs),
+// falling back to the plan's text table.
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
@@ -30,10 +31,11 @@ function panel() {
   head.append(title, close);
   const summary = document.createElement("div");
   summary.className = "vg-summary";
-  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  const picture = document.createElement("div");
+  picture.className = "vg-picture";
   const table = document.createElement("pre");
   table.style.margin = "4px 0 0";
-  p.append(head, summary, svg, table);
+  p.append(head, summary, picture, table);
   document.body.appendChild(p);
   return p;
 }
@@ -41,7 +43,8 @@ function panel() {
 async function showPlan() {
   const p = panel();
   p.style.display = "block";
-  const [summary, svg, table] = [p.querySelector(".vg-summary"), p.querySelector("svg"), p.querySelector("pre")];
+  const [summary, picture, table] = [p.querySelector(".vg-summary"), p.querySelector(".vg-picture"),
+    p.querySelector("pre")];
   summary.textContent = "planning\u2026";
   table.textContent = "";
   let data;
@@ -64,10 +67,10 @@ async function showPlan() {
   summary.textContent = `${plan.steps.length} steps, ${plan.loads} loads, peak ` +
     `${(plan.peak / 2 ** 30).toFixed(2)} of ${(plan.budget.gpu / 2 ** 30).toFixed(2)} GiB`;
   try {
-    const { drawTimeline } = await import("./timeline.mjs");
-    drawTimeline(svg, data.timeline, { plan, width: 780 });
+    const { showTimeline } = await import("./timeline.mjs");
+    showTimeline(picture, data.svg);
   } catch (e) {
-    svg.replaceChildren();
+    picture.replaceChildren();
     table.textContent = data.table;
   }
 }

@@ -173,6 +173,7 @@ def test_websocket_events_in_comfyui_order(server):
     assert all(m["data"].get("prompt_id") == pid for m in msgs if m["type"] not in ("status",))
     plan = next(m["data"] for m in msgs if m["type"] == "vramgraph.plan")
     assert plan["timeline"]["budget"] > 0 and len(plan["timeline"]["steps"]) == len(plan["plan"]["steps"])
+    assert plan["svg"].count('class="step"') == len(plan["plan"]["steps"])  # the picture, drawn by the server
     steps = [m["data"] for m in msgs if m["type"] == "vramgraph.step"]  # none when an earlier test left them loaded
     assert all(d["kind"] in ("load", "unload") and plan["plan"]["steps"][d["step"]]["kind"] == d["kind"]
                for d in steps)
@@ -383,9 +384,10 @@ def test_system_stats_and_free(server):
 
 def test_plan_convert_and_ui_routes(server):
     prompt = text_to_image()
-    r = post(server.url, "/vramgraph/plan", {"prompt": prompt})
+    r = post(server.url, "/vramgraph/plan", {"prompt": prompt, "name": "text_to_image.json"})
     assert r.status_code == 200
     body = r.json()
+    assert body["svg"].startswith("<svg") and ">text_to_image · " in body["svg"]  # the same drawing as plan --svg
     assert body["timeline"]["budget"] == body["plan"]["budget"]["gpu"]
     assert {m["label"] for m in body["timeline"]["models"].values()} == {"transformer", "text encoder", "vae"}
     assert "loads" in body["table"]

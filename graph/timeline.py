@@ -269,8 +269,8 @@ def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt
     right = math.ceil(GAP + text_width(budget_label, FS) + PAD)
     width = left + plot_w + right
 
-    heading = [p for p in (title.removesuffix(".json"), f"{card_text(card)} card" if card else "", image_sizes(prompt))
-               if p] or ["GPU memory plan"]
+    heading = [p for p in (title.removesuffix(".json"), f"{card_text(card)} card" if card else
+                           f"{size_text(budget)} budget", image_sizes(prompt)) if p]
     unloads = sum(1 for s in plan.steps if isinstance(s.step, Unload))
     totals = [f"budget {size_text(budget)}", f"peak {size_text(peak)}",
               f"{plan.loads} loads ({size_text(plan.bytes_moved)} moved), {unloads} unloads",

@@ -82,7 +82,7 @@ def _wait(drv, what: str, script: str, timeout: float = 120.0):
         if value:
             return value
         time.sleep(0.2)
-    log = drv.execute_script("return document.getElementById('log').innerText")
+    log = drv.execute_script("const l = document.getElementById('log'); return l ? l.innerText : ''")
     raise AssertionError(f"timed out waiting for {what}; page log:\n{log}")
 
 
@@ -165,7 +165,7 @@ def test_page_runs_a_workflow_and_shows_the_plan(browser, server, tmp_path):
 # ------------------------------------------------------------------------------------------- a dense plan
 
 TEXT_BOXES = """
-const svg = document.getElementById('timeline'), frame = svg.getBoundingClientRect();
+const svg = document.querySelector(arguments[0]), frame = svg.getBoundingClientRect();
 const boxes = [...svg.querySelectorAll('text')].map((t) => {
   const r = t.getBoundingClientRect();
   return {text: t.textContent, x0: r.left, y0: r.top, x1: r.right, y1: r.bottom};
@@ -228,7 +228,7 @@ def test_dense_plan_picture_is_readable_and_the_cli_drawing(browser, server, tmp
                                   "return w.scrollWidth <= w.clientWidth"), "the picture is wider than its panel"
         shot = tmp_path / "dense_plan.png"
         drv.find_element("id", "timeline").screenshot(str(shot))
-        got = drv.execute_script(TEXT_BOXES)
+        got = drv.execute_script(TEXT_BOXES, "#timeline")
     finally:
         drv.set_window_size(1500, 1200)
     if os.environ.get("VRAMGRAPH_SCREENSHOT"):
@@ -255,3 +255,57 @@ def test_dense_plan_picture_is_readable_and_the_cli_drawing(browser, server, tmp
     assert got["texts"] == ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
     assert got["ids"] == [e.get("id") for e in root.iter() if e.get("id")]
     assert got["viewBox"] == root.get("viewBox")
+
+
+# ------------------------------------------------------------------------------------------- the ComfyUI panel
+
+STUB_APP = """export const app = {
+  registerExtension(ext) { ext.setup(); },
+  async graphToPrompt() { return { output: {} }; },
+};"""
+STUB_API = """export const api = {
+  addEventListener() {},
+  fetchApi(path, init) { return fetch("/plan.json"); },
+};"""
+
+
+def test_comfyui_panel_shows_the_same_drawing(browser, server, tmp_path):
+    """The pack's front-end extension in a page that stands in for ComfyUI's (its app.js and api.js replaced by
+    stubs; the plan is the pack's route's answer, saved): the "VRAM plan" button shows the route's SVG."""
+    import functools
+    import http.server
+    import threading
+
+    import requests
+
+    prompt = json.loads((ROOT / "workflows" / "text_to_image.json").read_text())
+    prompt["5"]["inputs"].update(width=64, height=64)
+    body = requests.post(server.url + "/vramgraph/plan", json={"prompt": prompt}, timeout=60).json()
+    site = tmp_path / "site"
+    (site / "scripts").mkdir(parents=True)
+    (site / "scripts" / "app.js").write_text(STUB_APP)
+    (site / "scripts" / "api.js").write_text(STUB_API)
+    shutil.copytree(ROOT / "web", site / "extensions" / "vramgraph")
+    (site / "plan.json").write_text(json.dumps(body))
+    (site / "index.html").write_text('<!doctype html><meta charset="utf-8"><body>'
+                                     '<script type="module" src="/extensions/vramgraph/vramgraph_panel.js"></script>')
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        drv = browser
+        drv.get(f"http://127.0.0.1:{httpd.server_port}/index.html")
+        _wait(drv, "the VRAM plan button", "return [...document.querySelectorAll('button')]"
+              ".some((b) => b.textContent === 'VRAM plan')", 30)
+        drv.execute_script("[...document.querySelectorAll('button')].find((b) => b.textContent === 'VRAM plan')"
+                           ".click()")
+        _wait(drv, "the panel's picture", "return document.querySelector('#vramgraph-plan-panel svg .title') !== null",
+              30)
+        got = drv.execute_script(TEXT_BOXES, "#vramgraph-plan-panel svg")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    root = ElementTree.fromstring(body["svg"])
+    assert got["texts"] == ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert got["ids"] == [e.get("id") for e in root.iter() if e.get("id")]
+    assert got["overlaps"] == [] and got["outside"] == []

@@ -217,7 +217,7 @@ def test_streamed_and_pinned_lanes_and_a_budget_above_the_scale():
     p = plan(dag, costs, MODELS, Budget(80 * GiB, 64 * GiB))
     assert p.steps[0].streams == ("te",)
     root = check_readable(timeline_svg(p))
-    assert title(root) == "GPU memory plan"
+    assert title(root) == "80.00 GiB budget"  # no card size given: the budget
     assert lanes(root) == ["te", "dit"]
     lane = next(g for g in root.iter(f"{NS}g") if g.get("data-model") == "te" and g.get("class") == "lane")
     cells = {r.get("data-step"): r for r in lane.iter(f"{NS}rect") if r.get("data-step")}

@@ -155,7 +155,7 @@ def _step_label(plan: Plan, i: int) -> tuple[str, str]:
     text = f"{st.node} {cls}" if cls else st.node
     if st.variant not in ("gpu", "host"):
         text += f" [{st.variant}]"
-    return text, "#222" if plan.steps[i].resident or plan.steps[i].streams else "#777"
+    return text, {"host": "#777", "cpu": "#b35c00"}.get(st.variant, "#222")  # grey: no GPU; orange: the CPU fallback
 
 
 def _wrap(pieces: list[str], size: float, width: float, bold: bool = False) -> list[str]:
@@ -181,7 +181,7 @@ def _nice_step(top: float, max_ticks: int) -> float:
 
 
 def _num(v: float, step: float) -> str:
-    decimals = next(d for d in range(4) if abs(step * 10**d - round(step * 10**d)) < 1e-6)
+    decimals = next((d for d in range(9) if abs(step * 10**d - round(step * 10**d)) < 1e-6), 9)
     return f"{v:.{decimals}f}"
 
 

@@ -17,7 +17,19 @@ from xml.etree import ElementTree
 import networkx as nx
 import pytest
 from vramgraph.cli import main
-from vramgraph.graph.planner import Budget, GiB, Load, ModelCost, NodeCost, Plan, Run, Unload, Variant, plan
+from vramgraph.graph.planner import (
+    Budget,
+    GiB,
+    Load,
+    ModelCost,
+    NodeCost,
+    Plan,
+    Residency,
+    Run,
+    Unload,
+    Variant,
+    plan,
+)
 from vramgraph.graph.queue import merge
 from vramgraph.graph.timeline import ASCENT, DESCENT, image_sizes, text_width, timeline_svg
 
@@ -225,6 +237,14 @@ def test_streamed_and_pinned_lanes_and_a_budget_above_the_scale():
     assert cells[str(len(p.steps) - 1)].get("height") == "4"  # its pinned host copy stays
     texts = ["".join(t.itertext()) for t in root.iter(f"{NS}text")]
     assert "budget 80.00 GiB (above this scale)" in texts and "streamed from host RAM" in texts
+
+
+def test_a_plan_with_nothing_to_run():
+    """Every node cached: no steps; the text encoder left on the GPU by the last run still has its lane."""
+    p = plan(nx.DiGraph(), {}, MODELS, Budget(12 * GiB, GiB), start=Residency(frozenset({"te"})))
+    assert p.steps == ()
+    root = check_readable(timeline_svg(p, "cached.json", card=12 * GiB + GiB // 2))
+    assert title(root) == "cached · 12.5 GiB card" and lanes(root) == ["te"] and step_labels(root) == []
 
 
 def test_tiny_models_get_a_mib_axis():

@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv or ["session"])
     from ..graph.errors import VramgraphError
     from ..graph.planner import PlanError
-    from ..models.common import CheckpointError
+    from ..models.headers import CheckpointError
 
     try:
         return COMMANDS[args.command](args)

@@ -18,7 +18,7 @@ from typing import Any
 import networkx as nx
 
 from ..models import flux2, loading, qwen3, vae
-from ..models.common import CheckpointError
+from ..models.headers import CheckpointError
 from ..nodes.files import Folders
 from ..nodes.types import UNKNOWN, Cost, ModelInfo
 from . import planner

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from vramgraph.models import flux2, loading, qwen3, vae
-from vramgraph.models.common import CheckpointError
+from vramgraph.models.headers import CheckpointError
 
 GiB = 2**30
 

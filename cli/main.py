@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..graph.runtime import engine_from, folders_from
+from ..graph.runtime import engine_from, folders_from, planning_from
 
 log = logging.getLogger("vramgraph")
 WORKFLOWS = Path(__file__).parent.parent / "workflows"
@@ -264,8 +264,7 @@ def _plan(args: argparse.Namespace) -> int:
         _resize(wf.prompt, args.size)
     if args.dtype is None:  # a plan is for the GPU, where the models run in bf16 (fp32 is the CPU's run default)
         args.dtype = "bf16"
-    engine = engine_from(args, allow_builtin=True, host=args.host)
-    prep = engine.prepare(wf.prompt)
+    prep = planning_from(args, host=args.host).prepare(wf.prompt)
     if args.json:
         print(json.dumps(prep.plan.to_json(), indent=1))
     else:
@@ -334,8 +333,6 @@ def _session(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    import torch
-
     from ..models import loading
 
     spec = loading.inspect(args.models)
@@ -345,7 +342,7 @@ def _inspect(args: argparse.Namespace) -> int:
         c = getattr(spec, kind)
         out[kind] = None if c is None else {
             "layout": c.layout, "files": [str(f) for f in c.files], "dtype": c.dtype, "params": c.params,
-            "bf16_gib": round(c.nbytes(torch.bfloat16) / 2**30, 3), "blocks": len(c.block_params)}
+            "bf16_gib": round(c.nbytes("bf16") / 2**30, 3), "blocks": len(c.block_params)}
     print(json.dumps(out, indent=1))
     return 0
 

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -357,17 +358,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from ..server.app import serve
-
-    return serve(args)
-
-
 COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _generate, "inspect": _inspect,
-            "demo": _demo, "serve": _serve, "session": _session}
+            "demo": _demo, "session": _session}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: Mapping[str, Callable[[argparse.Namespace], int]] | None = None
+         ) -> int:
+    """The command line. `commands` adds handlers from outside cli/: the entry point (vramgraph/__main__.py) passes
+    `serve`, which lives in server/ (cli/ and server/ never import each other)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # Expandable segments: freed activations go back to the allocator without fragmenting it, so a plan that
     # runs close to a --vram cap does not make the allocator flush its cache every step (set before CUDA starts).
@@ -379,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..models.headers import CheckpointError
 
     try:
-        return COMMANDS[args.command](args)
+        handlers = {**COMMANDS, **(commands or {})}
+        if args.command not in handlers:
+            raise ValueError(f"'{args.command}' is served by the vramgraph entry point: run `vramgraph "
+                             f"{args.command}` or `python -m vramgraph {args.command}`")
+        return handlers[args.command](args)
     except PlanError as e:
         print(json.dumps({"error": e.to_dict()}, indent=1), file=sys.stderr)
         return 3

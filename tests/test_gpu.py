@@ -90,10 +90,10 @@ def test_planned_swaps_on_the_gpu_give_the_same_image(tmp_path):
 @pytest.mark.gpu
 def test_streamed_text_encoder_from_pinned_memory_matches_resident(tmp_path):
     """The text encoder streamed layer by layer from its pinned one-buffer copy gives the resident result."""
-    from vramgraph.nodes.catalog import ModelCatalog
     from vramgraph.graph.ledger import Ledger
     from vramgraph.models.qwen3 import PromptTokenizer, encode_prompts, encode_prompts_streamed
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
+    from vramgraph.nodes.catalog import ModelCatalog
     from vramgraph.nodes.files import Folders
 
     models = write_tiny_models(tmp_path / "models", names=SHIPPED_NAMES)

@@ -47,8 +47,9 @@ def host_available() -> int:
 
 def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | None = None,
                host: str | int | None = None) -> Budget:
-    """The budget on `device` (a torch.device or its name). Only a CUDA device is measured (and only then is
-    torch imported); elsewhere "the GPU" is host memory, or the card `vram` describes, for a plan."""
+    """The budget on `device` (a torch.device or its name; None: no device, a plan for the card `vram` describes).
+    Only a CUDA device is measured, and only then is torch imported; elsewhere "the GPU" is host memory, or the
+    card `vram` describes."""
     res = DEFAULT_RESERVE if reserve is None else parse_size(reserve)
     host_bytes = parse_size(host) if host is not None else max(GiB, host_available() - HOST_MARGIN)
     if str(device).split(":")[0] != "cuda":

@@ -58,13 +58,10 @@ def planning_from(args: argparse.Namespace, host: str | None = None) -> Any:
     cfg = _config(args)
     vram = args.vram or cfg.get("vram")
     device = args.device
-    if device is None:
-        if vram is not None:
-            device = "card"
-        else:
-            import torch
+    if device is None and vram is None:
+        import torch
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     folders = folders_from(args)
     budget = budget_for(device, vram, args.reserve or cfg.get("reserve"), host)
     return Planning(folders, ModelCatalog(folders, args.dtype or "bf16", allow_builtin=True), budget)

@@ -117,7 +117,7 @@ def run_cell(engine: Engine, card: int, side: int) -> dict:
         node_costs, models = _planner_inputs(engine, prep)
         start = planner.Residency(engine.ledger.on_gpu, engine.ledger.pinned)
         todo = prep.dag.subgraph(n for n in prep.dag.nodes if n not in prep.cached).copy()
-        planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, engine.budget.planner(), engine.cost,
+        planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, engine.budget, engine.cost,
                      start)
         t_plan = time.perf_counter() - t0
         n_events = len(engine.ledger.events)

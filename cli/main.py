@@ -19,10 +19,11 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..graph.runtime import engine_from, folders_from
+from ..graph.runtime import engine_from, folders_from, planning_from
 
 log = logging.getLogger("vramgraph")
 WORKFLOWS = Path(__file__).parent.parent / "workflows"
@@ -264,8 +265,7 @@ def _plan(args: argparse.Namespace) -> int:
         _resize(wf.prompt, args.size)
     if args.dtype is None:  # a plan is for the GPU, where the models run in bf16 (fp32 is the CPU's run default)
         args.dtype = "bf16"
-    engine = engine_from(args, allow_builtin=True, host=args.host)
-    prep = engine.prepare(wf.prompt)
+    prep = planning_from(args, host=args.host).prepare(wf.prompt)
     if args.json:
         print(json.dumps(prep.plan.to_json(), indent=1))
     else:
@@ -335,8 +335,6 @@ def _session(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    import torch
-
     from ..models import loading
 
     spec = loading.inspect(args.models)
@@ -346,7 +344,7 @@ def _inspect(args: argparse.Namespace) -> int:
         c = getattr(spec, kind)
         out[kind] = None if c is None else {
             "layout": c.layout, "files": [str(f) for f in c.files], "dtype": c.dtype, "params": c.params,
-            "bf16_gib": round(c.nbytes(torch.bfloat16) / 2**30, 3), "blocks": len(c.block_params)}
+            "bf16_gib": round(c.nbytes("bf16") / 2**30, 3), "blocks": len(c.block_params)}
     print(json.dumps(out, indent=1))
     return 0
 
@@ -361,17 +359,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from ..server.app import serve
-
-    return serve(args)
-
-
 COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _generate, "inspect": _inspect,
-            "demo": _demo, "serve": _serve, "session": _session}
+            "demo": _demo, "session": _session}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: Mapping[str, Callable[[argparse.Namespace], int]] | None = None
+         ) -> int:
+    """The command line. `commands` adds handlers from outside cli/: the entry point (vramgraph/__main__.py) passes
+    `serve`, which lives in server/ (cli/ and server/ never import each other)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # Expandable segments: freed activations go back to the allocator without fragmenting it, so a plan that
     # runs close to a --vram cap does not make the allocator flush its cache every step (set before CUDA starts).
@@ -380,10 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv or ["session"])
     from ..graph.errors import VramgraphError
     from ..graph.planner import PlanError
-    from ..models.common import CheckpointError
+    from ..models.headers import CheckpointError
 
     try:
-        return COMMANDS[args.command](args)
+        handlers = {**COMMANDS, **(commands or {})}
+        if args.command not in handlers:
+            raise ValueError(f"'{args.command}' is served by the vramgraph entry point: run `vramgraph "
+                             f"{args.command}` or `python -m vramgraph {args.command}`")
+        return handlers[args.command](args)
     except PlanError as e:
         print(json.dumps({"error": e.to_dict()}, indent=1), file=sys.stderr)
         return 3

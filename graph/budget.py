@@ -4,19 +4,18 @@ By default: what the device has free (plus what this process already holds) minu
 `vram`, the budget emulates a card of that size: the CUDA context and anything else this process
 holds outside torch's allocator come out of it, and the allocator is capped with
 `torch.cuda.set_per_process_memory_fraction` so that nothing can exceed it unnoticed.
+
+The budget type is the planner's own `Budget` (graph/planner.py); this module measures and parses it.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from . import planner
+from .planner import DEFAULT_RESERVE, Budget
 
 GiB = 2**30
-DEFAULT_RESERVE = 256 * 2**20  # allocator rounding, cuBLAS/cuDNN workspaces, the RoPE tables
 HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
 # With --vram, device memory this process uses outside torch's allocator besides the context measured at start
 # (seen on the H200 under the benchmark client: up to 0.8 GiB more, whole-device, than context + reserved)
@@ -35,21 +34,6 @@ def parse_size(text: str | int | float) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
 
 
-@dataclass(frozen=True)
-class Budget:
-    gpu: int  # bytes the plan may use for weights and activations
-    host: int  # bytes of host RAM for pinned weights and node outputs
-    card: int | None = None  # the emulated card size (--vram), if any
-    reserve: int = DEFAULT_RESERVE
-    outside_allocator: int = 0  # CUDA context etc., measured when the budget was made
-
-    def planner(self) -> planner.Budget:
-        return planner.Budget(self.gpu, self.host)
-
-    def to_json(self) -> dict:
-        return {k: v for k, v in vars(self).items()}
-
-
 def host_available() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -61,15 +45,20 @@ def host_available() -> int:
     return 16 * GiB
 
 
-def budget_for(device: torch.device | str, vram: str | int | None = None, reserve: str | int | None = None,
+def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | None = None,
                host: str | int | None = None) -> Budget:
-    device = torch.device(device)
+    """The budget on `device` (a torch.device or its name; None: no device, a plan for the card `vram` describes).
+    Only a CUDA device is measured, and only then is torch imported; elsewhere "the GPU" is host memory, or the
+    card `vram` describes."""
     res = DEFAULT_RESERVE if reserve is None else parse_size(reserve)
     host_bytes = parse_size(host) if host is not None else max(GiB, host_available() - HOST_MARGIN)
-    if device.type != "cuda":
+    if str(device).split(":")[0] != "cuda":
         # on the CPU "the GPU" is host memory: weights and activations share it
         cap = parse_size(vram) if vram is not None else host_bytes
         return Budget(cap - res, host_bytes, parse_size(vram) if vram is not None else None, res)
+    import torch
+
+    device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.init()
     free, total = torch.cuda.mem_get_info(index)

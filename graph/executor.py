@@ -11,8 +11,6 @@ it; no later node runs, so no PNG is written from partial work, and the next run
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -26,34 +24,23 @@ from typing import Any
 import networkx as nx
 import torch
 
+from ..models.dtypes import torch_dtype
 from ..models.qwen3 import PromptTokenizer
 from ..nodes import ENGINE_NODES
-from ..nodes.files import MODEL_EXTENSIONS, Folders
-from ..nodes.types import ModelInfo
+from ..nodes.catalog import ModelCatalog
+from ..nodes.files import Folders
+from ..nodes.types import ModelInfo, is_link
 from ..nodes.values import ModelHandle
-from . import estimate, planner, queue
-from .budget import Budget, budget_for
-from .errors import InterruptedRun, NodeExecutionError, ValidationFailed, _type_name
+from . import planner, queue
+from .budget import budget_for
+from .errors import InterruptedRun, NodeExecutionError, _type_name
 from .ledger import Ledger
-from .validate import inputs_with_defaults, validate
+from .planning import Prepared, prepare
+from .validate import inputs_with_defaults
 
 log = logging.getLogger("vramgraph.executor")
 Events = Callable[[str, dict], None]
 HIDDEN_VALUES = ("PROMPT", "EXTRA_PNGINFO", "UNIQUE_ID", "VG_CONTEXT")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A validated prompt with its estimates and plan, ready to run."""
-
-    prompt: dict
-    dag: nx.DiGraph
-    outputs: tuple[str, ...]
-    costs: Mapping[str, Any]
-    signatures: Mapping[str, str]
-    cached: tuple[str, ...]
-    plan: planner.Plan
-    hidden: Mapping[str, tuple[dict, dict | None]] = field(default_factory=dict)  # queued: node -> own prompt, pnginfo
 
 
 @dataclass
@@ -82,21 +69,6 @@ class RunResult:
         return {"prompt_id": self.prompt_id, "seconds": round(self.seconds, 4), "loads": self.loads,
                 "unloads": self.unloads, "cached": list(self.cached), "images": [str(p) for p in self.images],
                 "nodes": [vars(n) for n in self.nodes], "plan": self.plan.to_json()}
-
-
-def _link(v: Any) -> bool:
-    return isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int)
-
-
-def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph) -> dict[str, str]:
-    """Per node a hash of its class and inputs, linked inputs by their source's signature (ComfyUI's cache key)."""
-    sig: dict[str, str] = {}
-    for node in nx.topological_sort(dag):
-        spec = prompt[node]
-        inputs = {k: ["link", sig.get(v[0], v[0]), v[1]] if _link(v) else v for k, v in spec["inputs"].items()}
-        text = json.dumps([spec["class_type"], inputs], sort_keys=True, default=str)
-        sig[node] = hashlib.sha256(text.encode()).hexdigest()[:24]
-    return sig
 
 
 class NodeContext:
@@ -167,41 +139,22 @@ def _quiet(kind: str, data: dict) -> None:
     pass
 
 
-@dataclass(frozen=True)
-class _AssumedFiles(Folders):
-    """Folders whose model lists also hold the files a prompt names: a plan from the built-in specs needs none."""
-
-    assumed: frozenset[str] = frozenset()
-
-    def list(self, folder: str) -> list[str]:
-        found = super().list(folder)
-        return found if folder == "input" else sorted({*found, *self.assumed})
-
-
-def _model_names(prompt: Any) -> frozenset[str]:
-    """Every literal input of `prompt` that looks like a model file name."""
-    nodes = prompt.values() if isinstance(prompt, Mapping) else ()
-    return frozenset(v for n in nodes if isinstance(n, Mapping) and isinstance(n.get("inputs"), Mapping)
-                     for v in n["inputs"].values() if isinstance(v, str) and v.lower().endswith(MODEL_EXTENSIONS))
-
-
 class Engine:
     """One process's engine: the model catalog, the residency ledger, the output cache and the budget."""
 
     def __init__(self, folders: Folders, *, device: str | None = None, dtype: str | None = None,
-                 budget: Budget | None = None, nodes: Mapping[str, type] = ENGINE_NODES,
+                 budget: planner.Budget | None = None, nodes: Mapping[str, type] = ENGINE_NODES,
                  cost: planner.CostModel | None = None, allow_builtin: bool = False, previews: bool = False) -> None:
         self.folders = folders
         self.previews = previews  # step previews as "preview" events
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or ("bf16" if self.device.type == "cuda" else "fp32")
         self.nodes = dict(nodes)
-        self.catalog = estimate.ModelCatalog(folders, self.dtype, allow_builtin)
+        self.catalog = ModelCatalog(folders, self.dtype, allow_builtin)  # model infos and tokenizers
         self.ledger = Ledger(self.device)
         self.budget = budget or budget_for(self.device)
         self.cost = cost or planner.CostModel()
         self._cache: dict[str, tuple] = {}  # signature -> outputs of the last runs
-        self._tokenizers: dict[Path | None, PromptTokenizer] = {}
         self._interrupt = threading.Event()
         self._lock = threading.Lock()
         self._pid = ""
@@ -209,9 +162,7 @@ class Engine:
 
     # -- services for nodes
     def tokenizer(self, path: Path | None) -> PromptTokenizer:
-        if path not in self._tokenizers:
-            self._tokenizers[path] = PromptTokenizer.find(path)
-        return self._tokenizers[path]
+        return self.catalog.tokenizer(path)
 
     def interrupt(self) -> None:
         self._interrupt.set()
@@ -233,7 +184,7 @@ class Engine:
     def warm_up(self) -> None:
         """Pay the process's first-use costs before the first prompt comes: the GPU kernels' code and the
         bundled tokenizer (together 0.9-2.6 s on the H200). `vramgraph serve` calls this before it listens."""
-        from ..models.common import TORCH_DTYPES, warm_up_kernels
+        from ..models.common import warm_up_kernels
 
         with self._lock:
             t0 = time.perf_counter()
@@ -243,7 +194,7 @@ class Engine:
                 log.debug("no bundled tokenizer to warm up: %s", e)
             try:
                 if self.device.type == "cuda":
-                    warm_up_kernels(self.device, TORCH_DTYPES[self.dtype])
+                    warm_up_kernels(self.device, torch_dtype(self.dtype))
                     self._release()
             except Exception:  # a slower first image, nothing worse
                 log.exception("warming up the GPU kernels failed")
@@ -266,29 +217,15 @@ class Engine:
 
     # -- planning
     def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:
-        """Validate, estimate and plan `prompt` (API format). Raises ValidationFailed or planner.PlanError."""
-        folders = self.folders
-        if self.catalog.allow_builtin:  # planning without weights: a named model file is taken as present
-            folders = _AssumedFiles(*(getattr(self.folders, f) for f in ("models", "input", "output", "temp")),
-                                    assumed=_model_names(prompt))
-        check = validate(prompt, self.nodes, folders)
-        if not check.ok:
-            raise ValidationFailed(check.response())
-        prompt = {n: check.prompt[n] for n in check.dag.nodes}
-        costs = estimate.propagate(prompt, check.dag, self.nodes, self.catalog,
-                                   lambda cls, inp: inputs_with_defaults(cls, inp, self.folders))
-        sigs = signatures(prompt, check.dag)
-        cached = tuple(n for n in check.dag.nodes if sigs[n] in self._cache)
-        node_costs, models = estimate.planner_inputs(prompt, costs)
-        for info in (o for c in costs.values() for o in c.outputs if isinstance(o, ModelInfo)):
+        """Validate, estimate and plan `prompt` (API format) from where the weights are now and what is cached.
+        Raises ValidationFailed or planner.PlanError."""
+        resident = {key: planner.ModelCost(key, e.info.nbytes, e.info.label) for key, e in self.ledger.entries.items()}
+        prep = prepare(prompt, self.nodes, self.folders, self.catalog, self.budget, self.cost, repeat=repeat,
+                       cached=self._cache.keys(), start=planner.Residency(self.ledger.on_gpu, self.ledger.pinned),
+                       resident=resident)
+        for info in (o for c in prep.costs.values() for o in c.outputs if isinstance(o, ModelInfo)):
             self.ledger.register(info)
-        for key, e in self.ledger.entries.items():  # models resident from earlier workflows
-            models.setdefault(key, planner.ModelCost(key, e.info.nbytes, e.info.label))
-        todo = check.dag.subgraph(n for n in check.dag.nodes if n not in cached).copy()
-        start = planner.Residency(self.ledger.on_gpu, self.ledger.pinned)
-        plan = planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, self.budget.planner(),
-                            self.cost, start, repeat=repeat)
-        return Prepared(prompt, check.dag, check.outputs, costs, sigs, cached, plan)
+        return prep
 
     # -- running
     def run(self, prompt: dict | Prepared, *, extra_pnginfo: dict | None = None, prompt_id: str | None = None,
@@ -393,7 +330,7 @@ class Engine:
         cls = self.nodes[prep.prompt[node]["class_type"]]
         out = {}
         for name, v in prep.prompt[node]["inputs"].items():
-            out[name] = values[v[0]][v[1]] if _link(v) else v
+            out[name] = values[v[0]][v[1]] if is_link(v) else v
         return inputs_with_defaults(cls, out, self.folders)
 
     def _seed(self, node: str, prep: Prepared, values: Mapping) -> int | None:
@@ -402,7 +339,7 @@ class Engine:
             for name in ("noise_seed", "seed"):
                 if name in inputs:
                     v = inputs[name]
-                    return values[v[0]][v[1]] if _link(v) else v
+                    return values[v[0]][v[1]] if is_link(v) else v
         return None
 
     def _failure(self, node: str, class_type: str, message: str, e: Exception, inputs: Mapping[str, Any],
@@ -425,7 +362,7 @@ class Engine:
         for name, kind in cls.INPUT_TYPES(folders=self.folders).get("hidden", {}).items():
             if kind in hidden:
                 inputs[name] = hidden[kind]
-        predicted = next((o.activation for o in prep.costs[node].options if o.name == variant), 0)
+        predicted = next((o.activation for o in prep.costs[node].variants if o.name == variant), 0)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()

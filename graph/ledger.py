@@ -27,7 +27,6 @@ from ..models import loading
 from ..nodes.types import ModelInfo
 
 log = logging.getLogger("vramgraph.ledger")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -96,7 +95,7 @@ class Ledger:
             raise RuntimeError(f"{info.label} '{info.key}' has no checkpoint file; it can be planned, not run")
         pinned = self.device.type == "cuda"
         t0 = time.perf_counter()
-        module = loading.load(info.spec, dtype=DTYPES[info.dtype], device="pinned" if pinned else "cpu")
+        module = loading.load(info.spec, dtype=info.dtype, device="pinned" if pinned else "cpu")
         module.requires_grad_(False).eval()
         tensors = _tensors(module)
         flat = None
@@ -135,7 +134,7 @@ class Ledger:
         if source == "file" and self.device.type == "cuda" and not pin:
             if e.info.spec is None:
                 raise RuntimeError(f"{e.info.label} '{e.info.key}' has no checkpoint file; it can be planned, not run")
-            module = loading.load(e.info.spec, dtype=DTYPES[e.info.dtype], device=self.device)
+            module = loading.load(e.info.spec, dtype=e.info.dtype, device=self.device)
             e.gpu_module = module.requires_grad_(False).eval()
         else:
             copy = self._host(e)

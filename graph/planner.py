@@ -1,6 +1,7 @@
 """Ahead-of-time GPU memory planner: (graph, costs, budget, cost model) -> Plan of Load/Unload/Run steps.
 
-A pure function: it imports neither torch nor the nodes; it sees sizes and predicted seconds, never tensors.
+A pure function: it imports neither torch nor any node (only `nodes.types.Variant`, the plain dataclass in which
+node estimates state their variants); it sees sizes and predicted seconds, never tensors.
 The plan is made in three passes, each a simple greedy rule that a user can follow by hand:
 
 1. **Order** (`_order`). A topological order built one node at a time. Among the ready nodes, prefer one
@@ -44,7 +45,10 @@ from typing import Any, ClassVar
 
 import networkx as nx
 
+from ..nodes.types import Variant
+
 GiB = 2**30
+DEFAULT_RESERVE = 256 * 2**20  # allocator rounding, cuBLAS/cuDNN workspaces, the RoPE tables
 _INF = math.inf
 log = logging.getLogger(__name__)
 
@@ -63,19 +67,6 @@ class ModelCost:
     @property
     def name(self) -> str:
         return self.label or self.key
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One way to run a node: which models it needs resident, its activation peak and its time."""
-
-    name: str  # "gpu", "tiled", "cpu", ...
-    models: tuple[str, ...]  # model keys that must be resident on the GPU while it runs
-    activation: int  # bytes of GPU memory above the resident weights (its peak)
-    seconds: float  # predicted compute time
-    note: str = ""  # why/what, shown to users (e.g. "decodes on the CPU: 134 s")
-    streams: tuple[str, ...] = ()  # models read from host memory while it runs, never resident (their transfer
-    #                                costs bytes / bandwidth of their source every time, and they get pinned)
 
 
 @dataclass(frozen=True)
@@ -99,8 +90,16 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Budget:
+    """The GPU and host memory a plan must stay within (graph/budget.py measures it or parses --vram)."""
+
     gpu: int  # bytes the plan may use on the GPU (weights + activations), reserve already subtracted
     host: int  # bytes of host RAM for pinned copies of weights and node outputs (host_bytes)
+    card: int | None = None  # the emulated card size (--vram), if any
+    reserve: int = DEFAULT_RESERVE  # kept back from the device (already out of `gpu`)
+    outside_allocator: int = 0  # CUDA context etc., measured when the budget was made
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in vars(self).items()}
 
 
 @dataclass(frozen=True)

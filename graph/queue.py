@@ -17,9 +17,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-
-def _link(v: object) -> bool:
-    return isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int)
+from ..nodes.types import is_link
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,7 @@ def _order(prompt: Mapping[str, dict]) -> list[str]:
     g.add_nodes_from(prompt)
     for node, spec in prompt.items():
         for v in spec.get("inputs", {}).values():
-            if _link(v) and v[0] in prompt:
+            if is_link(v) and v[0] in prompt:
                 g.add_edge(v[0], node)
     return list(nx.topological_sort(g))
 
@@ -47,7 +45,7 @@ def merge(prompts: Sequence[Mapping[str, dict]], output_types: frozenset[str] = 
         rename: dict[str, str] = {}
         for node in _order(prompt):
             spec = copy.deepcopy(dict(prompt[node]))
-            spec["inputs"] = {k: [rename[v[0]], v[1]] if _link(v) and v[0] in rename else v
+            spec["inputs"] = {k: [rename[v[0]], v[1]] if is_link(v) and v[0] in rename else v
                               for k, v in spec.get("inputs", {}).items()}
             key = hashlib.sha256(json.dumps([spec["class_type"], spec["inputs"]], sort_keys=True,
                                             default=str).encode()).hexdigest()

@@ -44,6 +44,29 @@ def folders_from(args: argparse.Namespace) -> Any:
                    temp=Path(cfg.get("temp", Path(getattr(args, "output", None) or "output") / "temp")).expanduser())
 
 
+def planning_from(args: argparse.Namespace, host: str | None = None) -> Any:
+    """What `vramgraph plan` needs: folders, the catalogue (built-in klein sizes for absent files) and the budget.
+
+    Torch is imported only to measure a device: when --device names a CUDA device, or when no --vram says
+    which card to plan for (then the budget is this machine's device, as `run` would see it). With --vram
+    and no --device the plan is for a card of that size, as a process finds it before it holds any of it.
+    """
+    from ..graph.budget import budget_for
+    from ..graph.planning import Planning
+    from ..nodes.catalog import ModelCatalog
+
+    cfg = _config(args)
+    vram = args.vram or cfg.get("vram")
+    device = args.device
+    if device is None and vram is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    folders = folders_from(args)
+    budget = budget_for(device, vram, args.reserve or cfg.get("reserve"), host)
+    return Planning(folders, ModelCatalog(folders, args.dtype or "bf16", allow_builtin=True), budget)
+
+
 def engine_from(args: argparse.Namespace, allow_builtin: bool = False, host: str | None = None) -> Any:
     import torch
 

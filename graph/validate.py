@@ -32,7 +32,7 @@ from typing import Any
 import networkx as nx
 
 from ..nodes.files import IMAGE_EXTENSIONS, MODEL_EXTENSIONS
-from ..nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible
+from ..nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible, is_link
 from .errors import ValidationFailed
 
 COMBO = "COMBO"
@@ -161,13 +161,11 @@ def _convert(input_type: Any, val: Any) -> Any:
 
 
 def _link(val: list) -> tuple[str, int] | None:
-    """(source id, output index) of a well-formed link, else None."""
-    if len(val) != 2:
-        return None
-    src, slot = val
-    if isinstance(src, bool) or not isinstance(src, str | int) or isinstance(slot, bool) or not isinstance(slot, int):
-        return None
-    return str(src), slot
+    """(source id, output index) of a well-formed link (`is_link`, after an int node id is read as its str), else
+    None."""
+    if len(val) == 2 and isinstance(val[0], int) and not isinstance(val[0], bool):
+        val = [str(val[0]), val[1]]
+    return (val[0], val[1]) if is_link(val) else None
 
 
 # ---------------------------------------------------------------------------------------- top level

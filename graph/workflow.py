@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..nodes.types import is_link
 from .errors import WorkflowError
 
 log = logging.getLogger(__name__)
@@ -463,7 +464,7 @@ def ui_to_api(ui: Mapping[str, Any], nodes: Mapping[str, type]) -> dict:
     conv.emit_scope(conv.top(ui))
     for node_id, name in conv.linked:  # like the front end: drop links to nodes that were not emitted
         value = conv.out[node_id]["inputs"].get(name)
-        if isinstance(value, list) and value and value[0] not in conv.out:
+        if is_link(value) and value[0] not in conv.out:
             del conv.out[node_id]["inputs"][name]
     return conv.out
 

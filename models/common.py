@@ -1,8 +1,7 @@
-"""Pieces shared by the model families: safetensors headers, key remapping, small layers.
+"""Pieces shared by the model families that need torch: weight loading, host pages, small layers.
 
-A checkpoint is read in two steps. First its header (a JSON table at the start of every safetensors
-file) gives every tensor's name, dtype and shape without reading any data: enough to detect the
-layout and variant and to size every component for the planner. Then the weights are read one tensor
+A checkpoint is read in two steps. First its header gives every tensor's name, dtype and shape
+(headers.py, torch-free). Then the weights are read one tensor
 at a time from memory-mapped files straight into a module built on the meta device, so no random
 weights are ever materialised and no second host copy is made.
 
@@ -12,16 +11,13 @@ Each family states how its own parameter names are made from a checkpoint's name
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
-import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,115 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# safetensors dtype names -> bytes per element
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, unreadable, or not the model it was taken for."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor as its file's header describes it."""
-
-    file: Path | None
-    dtype: str
-    shape: tuple[int, ...]
-    name: str  # the key inside the file (callers may index infos by a prefix-stripped name)
-    tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)  # in-memory state dicts
-    offset: int = -1  # where its bytes start in the file (-1: not from a file)
-
-    @property
-    def nbytes(self) -> int:
-        return DTYPE_BYTES.get(self.dtype, 2) * math.prod(self.shape)
-
-
-def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Tensor table and `__metadata__` of one safetensors file, reading only its header."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise CheckpointError(f"{path}: too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100 * 2**20:
-                raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
-            table = json.loads(f.read(n))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not a safetensors file (header is not JSON)") from e
-    meta = table.pop("__metadata__", None) or {}
-    infos = {}
-    for k, v in table.items():
-        try:
-            info = TensorInfo(path, v["dtype"], tuple(v["shape"]), k, offset=8 + n + v["data_offsets"][0])
-            stored = v["data_offsets"][1] - v["data_offsets"][0]
-        except (KeyError, TypeError, IndexError) as e:
-            raise CheckpointError(f"{path}: not a safetensors file (tensor {k!r} is described wrongly)") from e
-        if info.dtype in DTYPE_BYTES and stored != info.nbytes:
-            raise CheckpointError(f"{path}: tensor {k!r} holds {stored} bytes, but {info.dtype} {list(info.shape)} "
-                                  f"needs {info.nbytes}: the file is damaged")
-        infos[k] = info
-    return infos, meta
+from .dtypes import stored_name, stored_torch_dtype
+from .headers import CheckpointError, Source, TensorInfo, check_plain
 
 
 def infos_from_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, TensorInfo]:
     """A tensor table over an in-memory state dict (e.g. one ComfyUI or a reference model holds)."""
-    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
-    return {k: TensorInfo(None, names.get(v.dtype, "F32"), tuple(v.shape), k, v) for k, v in state.items()}
-
-
-def read_headers(paths: list[Path]) -> dict[str, TensorInfo]:
-    """Merged tensor table of several files (the shards of one component)."""
-    out: dict[str, TensorInfo] = {}
-    for p in paths:
-        out.update(read_header(p)[0])
-    return out
-
-
-@dataclass(frozen=True)
-class Source:
-    """How one of our parameters is made from checkpoint tensors.
-
-    op: "copy"; "cat0" (concatenate the keys along dim 0: fused q|k|v); "swap_halves" (exchange the
-    two halves along dim 0: diffusers' final-layer (scale, shift) vs BFL's (shift, scale));
-    "conv1x1" (a Linear weight (o, i) stored as a 1x1 conv (o, i, 1, 1) or back: reshape to `shape`).
-    """
-
-    keys: tuple[str, ...]
-    op: str = "copy"
-
-    def make(self, get: Callable[[str], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        if self.op == "copy":
-            t = get(self.keys[0])
-        elif self.op == "cat0":
-            t = torch.cat([get(k) for k in self.keys], 0)
-        elif self.op == "swap_halves":
-            a, b = get(self.keys[0]).chunk(2, 0)
-            t = torch.cat([b, a], 0)
-        elif self.op == "conv1x1":
-            t = get(self.keys[0]).reshape(shape)
-        else:
-            raise ValueError(f"unknown op {self.op!r}")
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{'+'.join(self.keys)}: shape {tuple(t.shape)}, expected {tuple(shape)}")
-        return t
-
-    def nbytes(self, infos: Mapping[str, TensorInfo]) -> int:
-        return sum(infos[k].nbytes for k in self.keys)
-
-
-def strip_prefix(infos: Mapping[str, TensorInfo], prefixes: tuple[str, ...]) -> dict[str, TensorInfo]:
-    """The same table indexed by bare names, if every key starts with one of `prefixes`."""
-    for p in prefixes:
-        if infos and all(k.startswith(p) for k in infos):
-            return {k[len(p):]: v for k, v in infos.items()}
-    return dict(infos)
+    return {k: TensorInfo(None, stored_name(v.dtype), tuple(v.shape), k, v) for k, v in state.items()}
 
 
 class RMSNorm(nn.Module):
@@ -181,27 +75,10 @@ class _Files:
         self._handles.clear()
 
 
-PLAIN_DTYPES = ("F32", "BF16", "F16")
-
-
-def check_plain(sources: Mapping[str, Source], infos: Mapping[str, TensorInfo]) -> None:
-    """Refuse quantised weights (fp8 and the like): cast without their scales they would give a wrong image."""
-    for s in sources.values():
-        for k in s.keys:
-            info = infos.get(k)
-            if info is not None and info.dtype not in PLAIN_DTYPES:
-                where = f" in {info.file.name}" if info.file is not None else ""
-                raise CheckpointError(f"{k}{where} is stored as {info.dtype}: quantised checkpoints are not "
-                                      "supported; use the bf16 or fp32 file of this model")
-
-
 ALIGN = 256
 READ_AHEAD = 8
 READ_THREADS = 16  # parallel reads of one file: page-cache copies scale with threads (5.8 GB/s alone, 45 at 16)
 READ_CHUNK = 64 * 2**20
-STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                 "BOOL": torch.bool}
 
 
 class _Pages(mmap.mmap):
@@ -265,7 +142,7 @@ def _byte_spans(source: Source, shape: tuple[int, ...], infos: Mapping[str, Tens
     dim 0 lays the parts end to end, swapping the halves of dim 0 reads the second half first.
     """
     parts = [infos.get(k) for k in source.keys]
-    if any(i is None or i.file is None or i.offset < 0 or STORED_DTYPES.get(i.dtype) != dtype for i in parts):
+    if any(i is None or i.file is None or i.offset < 0 or stored_torch_dtype(i.dtype) != dtype for i in parts):
         return None
     source.make(lambda k: torch.empty(infos[k].shape, dtype=dtype, device="meta"), shape)  # checks the shape
     if source.op == "swap_halves":

@@ -19,26 +19,24 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from . import flux2, qwen3, vae
-from .common import CheckpointError, TensorInfo, check_plain, read_header, read_headers, strip_prefix
+from . import flux2_config, qwen3_config, vae_config
+from .dtypes import compute_name, itemsize, torch_dtype
+from .headers import CheckpointError, TensorInfo, check_plain, read_header, read_headers, strip_prefix
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 _PREFIXES = {
-    "transformer": flux2.BFL_PREFIXES,
+    "transformer": flux2_config.BFL_PREFIXES,
     "text_encoder": (),
     "vae": ("vae.", "first_stage_model."),
 }
-_DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-_ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
 def _bare(keys: Iterable[str]) -> set[str]:
     out = set()
     for k in keys:
-        for p in flux2.BFL_PREFIXES + _PREFIXES["vae"]:
+        for p in flux2_config.BFL_PREFIXES + _PREFIXES["vae"]:
             k = k.removeprefix(p)
         out.add(k)
     return out
@@ -84,7 +82,7 @@ class ComponentSpec:
     layout: str  # where it was found: "hf" (diffusers folder), "comfyui" (models/ folder), "files", "file"
     files: tuple[Path, ...]
     dtype: str  # storage dtype of most of its bytes: "bf16", "fp16", "fp32"
-    config: object  # flux2.Flux2Config | qwen3.Qwen3Config | vae.VAEConfig
+    config: object  # flux2_config.Flux2Config | qwen3_config.Qwen3Config | vae_config.VAEConfig
     block_params: tuple[tuple[str, int], ...]  # (block name, parameter count) of what gets loaded
     file_bytes: int  # bytes of the tensors in the files (all of them, loaded or not)
     infos: Mapping[str, TensorInfo] = field(repr=False, compare=False, default_factory=dict)
@@ -93,12 +91,12 @@ class ComponentSpec:
     def params(self) -> int:
         return sum(n for _, n in self.block_params)
 
-    def nbytes(self, dtype: torch.dtype) -> int:
-        """Bytes of the weights once loaded in `dtype`."""
-        return self.params * _ITEMSIZE[dtype]
+    def nbytes(self, dtype: Any) -> int:
+        """Bytes of the weights once loaded in `dtype` (a name, "bf16", or a torch dtype)."""
+        return self.params * itemsize(dtype)
 
-    def block_bytes(self, dtype: torch.dtype) -> dict[str, int]:
-        return {name: n * _ITEMSIZE[dtype] for name, n in self.block_params}
+    def block_bytes(self, dtype: Any) -> dict[str, int]:
+        return {name: n * itemsize(dtype) for name, n in self.block_params}
 
 
 @dataclass(frozen=True)
@@ -131,14 +129,14 @@ def _block_of(name: str) -> str:
 def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
     infos = strip_prefix(read_headers(list(files)), _PREFIXES[kind])
     if kind == "transformer":
-        cfg = flux2.config_from_checkpoint(infos)
-        src = flux2.sources(cfg, infos.keys())
+        cfg = flux2_config.config_from_checkpoint(infos)
+        src = flux2_config.sources(cfg, infos.keys())
     elif kind == "text_encoder":
-        cfg = qwen3.config_from_checkpoint(infos)
-        src = qwen3.sources(cfg, infos.keys())
+        cfg = qwen3_config.config_from_checkpoint(infos)
+        src = qwen3_config.sources(cfg, infos.keys())
     else:
-        cfg = vae.config_from_checkpoint(infos)
-        src = vae.sources(cfg, infos.keys())
+        cfg = vae_config.config_from_checkpoint(infos)
+        src = vae_config.sources(cfg, infos.keys())
     check_plain(src, infos)
     blocks: dict[str, int] = {}
     for name, s in src.items():
@@ -148,7 +146,7 @@ def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
     for info in infos.values():
         by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes
     main = max(by_dtype, key=by_dtype.get) if by_dtype else "BF16"
-    return ComponentSpec(kind, layout, tuple(files), _DTYPE_NAMES.get(main, main.lower()), cfg,
+    return ComponentSpec(kind, layout, tuple(files), compute_name(main), cfg,
                          tuple(blocks.items()), sum(by_dtype.values()), infos)
 
 
@@ -248,14 +246,15 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
         if kind == "text_encoder" and len(cands) > 1 and specs["transformer"] is not None:
             # several Qwen3 sizes side by side (qwen_3_4b, qwen_3_8b): keep the one the transformer reads
             width = specs["transformer"].config.context_dim
-            cands = [c for c in cands if qwen3.config_from_checkpoint(read_headers(c[1])).out_dim == width] or cands
+            cands = [c for c in cands
+                     if qwen3_config.config_from_checkpoint(read_headers(c[1])).out_dim == width] or cands
         if len(cands) > 1:
             names = ", ".join(str(fs[0]) for _, fs in cands)
             raise CheckpointError(f"several {kind.replace('_', ' ')} checkpoints found ({names}); "
                                   "pass the one you mean as a file")
         specs[kind] = _component(kind, cands[0][0], cands[0][1]) if cands else None
     tr = specs["transformer"]
-    variant = flux2.variant_name(tr.config) if tr is not None else "unknown"
+    variant = flux2_config.variant_name(tr.config) if tr is not None else "unknown"
     metas = [read_header(f)[1] for f in (tr.files if tr is not None else ())]
     distilled, source = _distilled(index, metas, [f.name for f in (tr.files if tr is not None else ())])
     te = specs["text_encoder"]
@@ -268,11 +267,21 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
     return ModelSpec(variant, distilled, source, tr, te, specs["vae"], tokenizer)
 
 
-def load(spec: ComponentSpec, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-         parts: tuple[str, ...] = ("encoder", "decoder")) -> torch.nn.Module:
-    """Build one component from its spec: memory-mapped reads straight into a meta-built module."""
+def load(spec: ComponentSpec, *, dtype: Any = "bf16", device: Any = "cpu",
+         parts: tuple[str, ...] = ("encoder", "decoder")) -> Any:
+    """Build one component from its spec (a torch module): memory-mapped reads straight into a meta-built module.
+
+    `dtype` is a name ("bf16") or a torch dtype; this is the only function here that imports torch.
+    """
+    dt = torch_dtype(dtype)
     if spec.kind == "transformer":
-        return flux2.load_transformer(spec.infos, spec.config, dtype=dtype, device=device)
+        from .flux2 import load_transformer
+
+        return load_transformer(spec.infos, spec.config, dtype=dt, device=device)
     if spec.kind == "text_encoder":
-        return qwen3.load_qwen3(spec.infos, spec.config, dtype=dtype, device=device)
-    return vae.load_vae(spec.infos, spec.config, parts=parts, dtype=dtype, device=device)
+        from .qwen3 import load_qwen3
+
+        return load_qwen3(spec.infos, spec.config, dtype=dt, device=device)
+    from .vae import load_vae
+
+    return load_vae(spec.infos, spec.config, parts=parts, dtype=dt, device=device)

@@ -31,21 +31,21 @@ import weakref
 from collections import OrderedDict
 from functools import cache
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..models import loading
-from ..models.qwen3 import PromptTokenizer
+from .catalog import FOLDERS, ModelCatalog
 from .files import Folders
 from .types import ModelInfo
 from .values import ModelHandle
 
+if TYPE_CHECKING:
+    import torch
+
+    from ..models.qwen3 import PromptTokenizer
+
 log = logging.getLogger("vramgraph.comfy")
 KEEP = 3  # models kept in host RAM between nodes (the three parts of FLUX.2 [klein])
-FOLDERS = {"transformer": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
-LABELS = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "vae"}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GiB = 1 << 30
 
 
@@ -75,29 +75,15 @@ def comfy_folders() -> Folders:
 
 
 class ComfyRuntime:
-    """Per-process state of our nodes inside ComfyUI: model infos, CPU modules (LRU of KEEP), tokenizers."""
+    """Per-process state of our nodes inside ComfyUI: the model catalogue (infos and tokenizers, the same
+    `ModelCatalog` our engine uses) and the CPU modules (an LRU of KEEP)."""
 
     def __init__(self, keep: int = KEEP) -> None:
         self.keep = keep
         self.lock = threading.RLock()
-        self.infos: dict[tuple, tuple[ModelInfo, Path | None]] = {}
+        self.catalog = ModelCatalog()  # files are found through ComfyUI's folder_paths, then `info_at`
         self.modules: OrderedDict[str, torch.nn.Module] = OrderedDict()
-        self.tokenizers: dict[Path | None, PromptTokenizer] = {}
         self.on_device: list[torch.nn.Module] = []  # moved to the GPU by the context of the running node
-
-    def info(self, kind: str, path: Path, dtype: str) -> tuple[ModelInfo, Path | None]:
-        """The model info of one component in a file or folder, and the tokenizer found beside it."""
-        stamp = (kind, str(path), path.stat().st_mtime_ns, dtype)
-        with self.lock:
-            if stamp not in self.infos:
-                spec = loading.inspect([path])
-                comp = getattr(spec, kind)
-                if comp is None:
-                    raise ValueError(f"{path.name} holds no {LABELS[kind]}; pick a file from {FOLDERS[kind]}/")
-                info = ModelInfo(f"{kind}:{path}:{dtype}", kind, LABELS[kind], comp.nbytes(DTYPES[dtype]),
-                                 comp.config, comp, dtype)
-                self.infos[stamp] = (info, spec.tokenizer)
-            return self.infos[stamp]
 
     def module(self, info: ModelInfo) -> torch.nn.Module:
         """The model's module with its weights in host RAM (read from the file on first use)."""
@@ -106,17 +92,11 @@ class ComfyRuntime:
                 self.modules.move_to_end(info.key)
                 return self.modules[info.key]
             log.info("vramgraph: reading %s (%.2f GiB) into RAM", info.label, info.nbytes / GiB)
-            module = loading.load(info.spec, dtype=DTYPES[info.dtype], device="cpu").requires_grad_(False).eval()
+            module = loading.load(info.spec, dtype=info.dtype, device="cpu").requires_grad_(False).eval()
             self.modules[info.key] = module
             while len(self.modules) > self.keep:
                 self.modules.popitem(last=False)
             return module
-
-    def tokenizer(self, path: Path | None) -> PromptTokenizer:
-        with self.lock:
-            if path not in self.tokenizers:
-                self.tokenizers[path] = PromptTokenizer.find(path)
-            return self.tokenizers[path]
 
     def release(self, modules: list[torch.nn.Module] | None = None) -> None:
         """Move modules a node put on the GPU back to the CPU and give the cached blocks back to ComfyUI."""
@@ -137,6 +117,8 @@ def runtime() -> ComfyRuntime:
 
 
 def _dtype(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return "bf16"
     return "fp32"
@@ -173,10 +155,10 @@ class ComfyContext:
         return module
 
     def tokenizer(self, handle: ModelHandle) -> PromptTokenizer:
-        return self.rt.tokenizer(handle.tokenizer)
+        return self.rt.catalog.tokenizer(handle.tokenizer)
 
     def model_info(self, kind: str, name: str, dtype: str = "default") -> ModelInfo:
-        return self.rt.info(kind, self.resolve(FOLDERS[kind], name), self.dtype)[0]
+        return self.rt.catalog.info_at(kind, self.resolve(FOLDERS[kind], name), self.dtype, name)
 
     def checkpoint_infos(self, path: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
         p = Path(path).expanduser()
@@ -186,11 +168,10 @@ class ComfyContext:
             p = next((r / path for r in roots if (r / path).exists()), p)
         if not p.exists():
             raise FileNotFoundError(f"'{path}' is neither a folder nor under ComfyUI's models folder")
-        return tuple(self.rt.info(k, p, self.dtype)[0] for k in FOLDERS)  # type: ignore[return-value]
+        return self.rt.catalog.checkpoint_infos_at(p, self.dtype)
 
     def tokenizer_for(self, info: ModelInfo) -> Path | None:
-        with self.rt.lock:
-            return next((tok for i, tok in self.rt.infos.values() if i.key == info.key), None)
+        return self.rt.catalog.tokenizer_for(info)
 
     # -- files
     def resolve(self, folder: str, name: str) -> Path:

@@ -9,12 +9,9 @@ outputs and cost ahead of time, from input infos.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..models.sampling import sigmas as flux2_sigmas
-from . import estimates, ops
+from . import estimates
 from .comfy import context as comfy_context
 from .files import file_list
 from .types import (
@@ -43,6 +40,9 @@ from .types import (
     SigmasInfo,
 )
 from .values import Guider, ModelHandle, Noise, Sampler, cond_parts, conditioning, with_reference
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_RESOLUTION = 16384
 SEED_MAX = 0xFFFF_FFFF_FFFF_FFFF
@@ -130,6 +130,8 @@ class CLIPTextEncode:
                     host_bytes=TEXT_TOKENS * _context_dim(clip) * 4)
 
     def encode(self, text: str, clip: ModelHandle, vg: Any = None) -> tuple:
+        from . import ops
+
         vg = vg or comfy_context(self)
         if vg.variant == "stream":
             emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device)
@@ -157,6 +159,8 @@ class ConditioningZeroOut:
         return Cost((conditioning,))
 
     def zero_out(self, conditioning: list) -> tuple:
+        import torch
+
         return ([[torch.zeros_like(emb), dict(extra)] for emb, extra in conditioning],)
 
 
@@ -236,6 +240,10 @@ class Flux2Scheduler:
         return Cost((SigmasInfo(steps),))
 
     def get_sigmas(self, steps: int, width: int, height: int) -> tuple:
+        import torch
+
+        from ..models.sampling import sigmas as flux2_sigmas
+
         seq_len = round(width * height / (16 * 16))
         return (torch.tensor(flux2_sigmas(steps, seq_len), dtype=torch.float32),)
 
@@ -273,6 +281,8 @@ class EmptyFlux2LatentImage:
         return Cost((LatentInfo(batch_size, height // 16, width // 16),))
 
     def generate(self, width: int, height: int, batch_size: int = 1) -> tuple:
+        import torch
+
         return ({"samples": torch.zeros(batch_size, 128, height // 16, width // 16)},)
 
 
@@ -286,6 +296,10 @@ def _sampling_cost(model: ModelInfo, positive: CondInfo, negative: CondInfo | No
 
 def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: list, negative: list | None,
             cfg: float, sigmas: list[float]) -> dict:
+    import torch
+
+    from . import ops
+
     pos, refs = cond_parts(positive, "positive")
     neg = None
     if negative is not None and cfg != 1.0:
@@ -352,6 +366,8 @@ class KSampler:
 
     def sample(self, model: ModelHandle, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
                positive: list, negative: list, latent_image: dict, denoise: float = 1.0, vg: Any = None) -> tuple:
+        from ..models.sampling import sigmas as flux2_sigmas
+
         vg = vg or comfy_context(self)
         h, w = latent_image["samples"].shape[2:]
         if denoise <= 0:
@@ -376,6 +392,8 @@ class VAEDecode:
         return Cost((image,), estimates.vae_decode(vae, samples), host_bytes=image_bytes(image))
 
     def decode(self, samples: dict, vae: ModelHandle, vg: Any = None) -> tuple:
+        from . import ops
+
         vg = vg or comfy_context(self)
         return (ops.vae_decode(vg.module(vae), samples["samples"], vg.variant),)
 
@@ -399,6 +417,8 @@ class VAEEncode:
         return Cost((LatentInfo(pixels.batch, h, w),), (estimates.vae_encode(vae, pixels.batch, h * 16, w * 16),))
 
     def encode(self, pixels: torch.Tensor, vae: ModelHandle, vg: Any = None) -> tuple:
+        from . import ops
+
         vg = vg or comfy_context(self)
         return ({"samples": ops.vae_encode(vg.module(vae), pixels)},)
 
@@ -419,6 +439,8 @@ class LoadImage:
         return Cost((info, info), host_bytes=image_bytes(info))
 
     def load_image(self, image: str, vg: Any = None) -> tuple:
+        from . import ops
+
         vg = vg or comfy_context(self)
         return ops.load_image(str(vg.resolve("input", image)))
 
@@ -437,12 +459,14 @@ class ImageScaleToTotalPixels:
     @classmethod
     def vg_estimate(cls, env: Any, image: ImageInfo, upscale_method: str, megapixels: float,
                     resolution_steps: int = 1) -> Cost:
-        w, h = ops.scaled_size(image.width, image.height, megapixels, resolution_steps)
+        w, h = estimates.scaled_size(image.width, image.height, megapixels, resolution_steps)
         info = ImageInfo(image.batch, h, w)
         return Cost((info,), host_bytes=image_bytes(info))
 
     def upscale(self, image: torch.Tensor, upscale_method: str, megapixels: float, resolution_steps: int = 1) -> tuple:
-        w, h = ops.scaled_size(image.shape[2], image.shape[1], megapixels, resolution_steps)
+        from . import ops
+
+        w, h = estimates.scaled_size(image.shape[2], image.shape[1], megapixels, resolution_steps)
         return (ops.resize(image, w, h, upscale_method),)
 
 

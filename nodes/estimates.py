@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 
-from .types import CondInfo, LatentInfo, ModelInfo, Option
+from ..models.dtypes import COMPUTE, itemsize
+from .types import CondInfo, LatentInfo, ModelInfo, Variant
 
 GiB = 2**30
 MARGIN = 1.04
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 # Fitted on the H200 by bench/plan_matrix.py --calibrate (bench/results/calibrate.json: bf16, SDPA,
 # klein-4B shapes, 256² to 2048²); each fit is within 0.7 % of every measured point.
@@ -40,6 +40,13 @@ CPU_DECODE_SECONDS_PER_MPIXEL = 134.0  # the C engine's CPU fallback at 1024² t
 TILED_SLOWDOWN = 1.6
 
 
+def scaled_size(width: int, height: int, megapixels: float, steps: int = 1) -> tuple[int, int]:
+    """ImageScaleToTotalPixels' target size: the same aspect at `megapixels` * 1024², sides rounded to `steps`."""
+    scale = math.sqrt(megapixels * 1024 * 1024 / (width * height))
+    steps = max(1, steps)
+    return (max(steps, round(width * scale / steps) * steps), max(steps, round(height * scale / steps) * steps))
+
+
 def tile_spans(n: int) -> list[tuple[int, int, int]]:
     """(core start, span start, span end) of the tiles along one latent side of n cells."""
     return [(a, max(0, a - TILE_OVERLAP), min(n, a + TILE + TILE_OVERLAP)) for a in range(0, n, TILE)]
@@ -54,21 +61,21 @@ def _margin(n: float) -> int:
 
 
 def _itemsize(dtype: str) -> int:
-    return ITEMSIZE.get(dtype, 2)
+    return itemsize(dtype) if dtype in COMPUTE else 2
 
 
-def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Option, ...]:
+def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...]:
     """Resident on the GPU, or streamed layer by layer from pinned host memory (two layers on the GPU at once)."""
     cfg = model.config
     hidden = cfg.hidden_size if cfg is not None else 2560
     item = _itemsize(model.dtype)
     act = batch * tokens * hidden * item * TE_PER_TOKEN
-    gpu = Option("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
+    gpu = Variant("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
     if cfg is None or not model.nbytes:
         return (gpu,)
     embed = cfg.vocab_size * hidden * item
     layer = (model.nbytes - embed) / max(1, cfg.n_built)
-    stream = Option("stream", (), _margin(act + 2 * layer + batch * tokens * hidden * item * 4),
+    stream = Variant("stream", (), _margin(act + 2 * layer + batch * tokens * hidden * item * 4),
                     TE_SECONDS_PER_PROMPT * batch, streams=(model.key,),
                     note="streams the text encoder from pinned host memory, layer by layer")
     return (gpu, stream)
@@ -78,7 +85,7 @@ def sampler_tokens(latent: LatentInfo, positive: CondInfo) -> int:
     return latent.height * latent.width + positive.tokens + sum(h * w for h, w in positive.refs)
 
 
-def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch: int, steps: int) -> Option:
+def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch: int, steps: int) -> Variant:
     """All steps of the sampler: the peak of one step (steps run one after another)."""
     hidden = model.config.hidden if model.config is not None else 3072
     item = _itemsize(model.dtype)
@@ -87,7 +94,7 @@ def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch
     act = batch * (DIT_PER_TOKEN * tokens + DIT_FIXED) * hidden * item
     act += 2 * latent.batch * latent.height * latent.width * latent.channels * 4  # step preview: x0 and its RGB
     seconds = DIT_SECONDS_PER_TOKEN_STEP * tokens * batch * steps * _param_scale(model)
-    return Option("gpu", (model.key,), _margin(act), seconds)
+    return Variant("gpu", (model.key,), _margin(act), seconds)
 
 
 def _param_scale(model: ModelInfo) -> float:
@@ -98,27 +105,27 @@ def _decoder_width(model: ModelInfo) -> int:
     return model.config.channels[0] if model.config is not None else 128
 
 
-def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Option, ...]:
+def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Variant, ...]:
     """Full GPU decode, tiled GPU decode, and CPU decode (the last resort, priced honestly)."""
     item = _itemsize(model.dtype)
     pixels = latent.batch * latent.height * latent.width * 256
     per_pixel = _decoder_width(model) * item * VAE_DECODE_PER_PIXEL
     mpix = pixels / 1e6
-    options = [Option("gpu", (model.key,), _margin(pixels * per_pixel + VAE_DECODE_FIXED),
+    options = [Variant("gpu", (model.key,), _margin(pixels * per_pixel + VAE_DECODE_FIXED),
                       VAE_DECODE_SECONDS_PER_MPIXEL * mpix)]
     if latent.height > TILE or latent.width > TILE:
         tile = latent.batch * largest_tile(latent.height) * largest_tile(latent.width) * 256
         tile_act = tile * per_pixel + VAE_DECODE_FIXED + pixels * TILED_CANVAS
-        options.append(Option("tiled", (model.key,), _margin(tile_act),
+        options.append(Variant("tiled", (model.key,), _margin(tile_act),
                               VAE_DECODE_SECONDS_PER_MPIXEL * mpix * TILED_SLOWDOWN,
                               note=f"tiled decode ({TILE * 16}px tiles)"))
-    options.append(Option("cpu", (), 0, CPU_DECODE_SECONDS_PER_MPIXEL * mpix,
+    options.append(Variant("cpu", (), 0, CPU_DECODE_SECONDS_PER_MPIXEL * mpix,
                           note=f"decodes on the CPU: about {CPU_DECODE_SECONDS_PER_MPIXEL * mpix:.0f} s"))
     return tuple(options)
 
 
-def vae_encode(model: ModelInfo, batch: int, height: int, width: int) -> Option:
+def vae_encode(model: ModelInfo, batch: int, height: int, width: int) -> Variant:
     item = _itemsize(model.dtype)
     pixels = batch * height * width
     act = pixels * _decoder_width(model) * item * VAE_ENCODE_PER_PIXEL + VAE_ENCODE_FIXED
-    return Option("gpu", (model.key,), _margin(act), VAE_ENCODE_SECONDS_PER_MPIXEL * pixels / 1e6)
+    return Variant("gpu", (model.key,), _margin(act), VAE_ENCODE_SECONDS_PER_MPIXEL * pixels / 1e6)

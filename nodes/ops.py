@@ -6,7 +6,6 @@ module's device, and returns CPU tensors, so nothing a node produces holds GPU m
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -126,13 +125,6 @@ def crop16(image: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the image is {image.shape[2]}x{image.shape[1]}; it must be at least 16x16 to encode")
     oy, ox = (image.shape[1] % 16) // 2, (image.shape[2] % 16) // 2
     return image[:, oy:oy + h, ox:ox + w]
-
-
-def scaled_size(width: int, height: int, megapixels: float, steps: int = 1) -> tuple[int, int]:
-    """ImageScaleToTotalPixels' target size: the same aspect at `megapixels` * 1024², sides rounded to `steps`."""
-    scale = math.sqrt(megapixels * 1024 * 1024 / (width * height))
-    steps = max(1, steps)
-    return (max(steps, round(width * scale / steps) * steps), max(steps, round(height * scale / steps) * steps))
 
 
 def resize(image: torch.Tensor, width: int, height: int, method: str) -> torch.Tensor:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from . import ops, png
 from .comfy import context as comfy_context
 from .types import IMAGE, STRING, Cost
+
+if TYPE_CHECKING:
+    import torch
 
 COMPRESS_LEVEL = 1  # zlib level (ComfyUI: 4); on a smooth 1024² picture: files 16 % larger, written 10x faster
 HIDDEN = {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO", "vg": "VG_CONTEXT"}
@@ -38,6 +38,8 @@ def next_counter(folder: Path, name: str) -> int:
 def save_images(images: torch.Tensor, root: Path, prefix: str, kind: str, prompt: Any = None,
                 extra_pnginfo: dict | None = None, seed: int | None = None) -> list[dict]:
     """Write one PNG per image; return ComfyUI's ui entries {filename, subfolder, type}."""
+    from . import ops, png
+
     root = Path(root)
     folder, name = _target(root, prefix)
     folder.mkdir(parents=True, exist_ok=True)

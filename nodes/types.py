@@ -25,6 +25,12 @@ ALIASES = {VG_MODEL: MODEL, VG_CLIP: CLIP, VG_VAE: VAE}
 PRIMITIVES = (INT, FLOAT, STRING, BOOLEAN)
 
 
+def is_link(value: Any) -> bool:
+    """The one rule for "is this input a link" (ComfyUI's): [source node id (a str), output index (an int)]."""
+    return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+            and isinstance(value[1], int) and not isinstance(value[1], bool))
+
+
 def canonical(t: str) -> str:
     return ALIASES.get(t, t)
 
@@ -118,24 +124,26 @@ UNKNOWN = Unknown()
 
 
 @dataclass(frozen=True)
-class Option:
-    """One way a node can run: the models it needs resident on the GPU, its activation peak above them."""
+class Variant:
+    """One way a node can run (full GPU, tiled, CPU, streamed): what a node's estimate offers and the planner
+    chooses from. The planner (graph/planner.py) takes these as they are."""
 
     name: str  # "gpu", "tiled", "cpu", "host", "stream"
-    models: tuple[str, ...] = ()
-    activation: int = 0
-    seconds: float = 0.0
-    note: str = ""
-    streams: tuple[str, ...] = ()  # models read from pinned host memory while it runs (not resident)
+    models: tuple[str, ...] = ()  # model keys that must be resident on the GPU while it runs
+    activation: int = 0  # bytes of GPU memory above the resident weights (its peak)
+    seconds: float = 0.0  # predicted compute time
+    note: str = ""  # why/what, shown to users (e.g. "decodes on the CPU: 134 s")
+    streams: tuple[str, ...] = ()  # models read from host memory while it runs, never resident (their transfer
+    #                                costs bytes / bandwidth of their source every time, and they get pinned)
 
 
-HOST = Option("host")  # a node that needs no GPU at all (loaders, images, primitives)
+HOST = Variant("host")  # a node that needs no GPU at all (loaders, images, primitives)
 
 
 @dataclass(frozen=True)
 class Cost:
     outputs: tuple[Any, ...]
-    options: tuple[Option, ...] = (HOST,)
+    variants: tuple[Variant, ...] = (HOST,)
     host_bytes: int = 0  # host RAM its outputs hold until consumed
 
 
@@ -153,7 +161,7 @@ class EstimateEnv(Protocol):
 class RunContext(Protocol):
     """What a running node may ask of the engine. ComfyUI does not pass one; our nodes then run alone."""
 
-    variant: str  # the Option the plan chose for this node
+    variant: str  # the name of the Variant the plan chose for this node
 
     def module(self, model: Any) -> Any: ...  # the loaded torch module where the plan placed it
 

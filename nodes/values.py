@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .types import ModelInfo
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Noise:
     seed: int
 
     def generate_noise(self, latent: dict[str, Any]) -> torch.Tensor:
+        import torch
+
         samples = latent["samples"]
         g = torch.Generator("cpu").manual_seed(self.seed)
         return torch.randn(tuple(samples.shape), generator=g, dtype=torch.float32, device="cpu")

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.sampling import prepare_reference
-from . import core, ops
+from . import core
 from .comfy import context as comfy_context
 from .files import file_list
 from .output import PreviewImage, SaveImage
@@ -131,9 +130,11 @@ class VGSampler:
 
     def sample(self, model: ModelHandle, positive: list, latent: dict, seed: int, steps: int, guidance: float,
                negative: list | None = None, vg: Any = None) -> tuple:
+        from ..models.sampling import sigmas
+
         vg = vg or comfy_context(self)
         h, w = latent["samples"].shape[2:]
-        sig = core.flux2_sigmas(steps, h * w)
+        sig = sigmas(steps, h * w)
         return (core._sample(vg, model, Noise(seed), latent, positive, negative, guidance, sig),)
 
 
@@ -166,6 +167,9 @@ class VGReferenceImage:
                     (core.estimates.vae_encode(vae, 1, h, w),))
 
     def reference(self, conditioning: list, vae: ModelHandle, image: Any, vg: Any = None) -> tuple:
+        from ..models.sampling import prepare_reference
+        from . import ops
+
         vg = vg or comfy_context(self)
         module = vg.module(vae)
         for pil in ops.to_pil(image):

@@ -18,6 +18,7 @@ import networkx as nx
 
 from ..graph.validate import input_types
 from ..graph.workflow import WidgetSlot, widget_positions, widget_slots
+from ..nodes.types import is_link
 
 GiB = 2**30
 
@@ -82,10 +83,6 @@ def system_stats(engine: Any) -> dict:
 # ------------------------------------------------------------------------------------------ API -> UI
 
 
-def _is_link(v: Any) -> bool:
-    return isinstance(v, list) and len(v) == 2 and isinstance(v[0], str | int) and isinstance(v[1], int)
-
-
 def _widget_list(slots: tuple[WidgetSlot, ...], values: Mapping[str, Any]) -> list:
     """widgets_values as the front end stores them: a control value after seeds, the upload button's value."""
     out: list = []
@@ -122,7 +119,7 @@ def api_to_ui(prompt: Mapping[str, dict], nodes: Mapping[str, type], original: M
             cls = nodes.get(str(node.get("type")))
             if spec is None or cls is None or spec.get("class_type") != node.get("type"):
                 continue
-            literal = {k: v for k, v in spec.get("inputs", {}).items() if not _is_link(v)}
+            literal = {k: v for k, v in spec.get("inputs", {}).items() if not is_link(v)}
             _update_widgets(node, widget_slots(cls), literal)
         return ui
     return _build_ui(prompt, nodes)
@@ -135,7 +132,7 @@ def _build_ui(prompt: Mapping[str, dict], nodes: Mapping[str, type]) -> dict:
     g.add_nodes_from(ids)
     for nid, spec in prompt.items():
         for v in spec.get("inputs", {}).values():
-            if _is_link(v) and str(v[0]) in ids:
+            if is_link(v) and str(v[0]) in ids:
                 g.add_edge(str(v[0]), str(nid))
     depth = {n: 0 for n in g}
     for n in nx.topological_sort(g) if nx.is_directed_acyclic_graph(g) else g:
@@ -158,12 +155,12 @@ def _build_ui(prompt: Mapping[str, dict], nodes: Mapping[str, type]) -> dict:
                 value = spec.get("inputs", {}).get(name)
                 kind_of = entry[0] if isinstance(entry, list | tuple) and entry else entry
                 type_name = "COMBO" if isinstance(kind_of, list | tuple) else str(kind_of)
-                if name in widget_names and not _is_link(value):
+                if name in widget_names and not is_link(value):
                     continue
                 inp: dict[str, Any] = {"name": name, "type": type_name, "link": None}
                 if name in widget_names:
                     inp["widget"] = {"name": name}
-                if _is_link(value) and str(value[0]) in ids:
+                if is_link(value) and str(value[0]) in ids:
                     link_id += 1
                     src, slot = str(value[0]), int(value[1])
                     src_type = list(nodes[prompt[src]["class_type"]].RETURN_TYPES)[slot]
@@ -171,7 +168,7 @@ def _build_ui(prompt: Mapping[str, dict], nodes: Mapping[str, type]) -> dict:
                     outputs.setdefault((src, slot), []).append(link_id)
                     inp["link"] = link_id
                 inputs.append(inp)
-        literal = {k: v for k, v in spec.get("inputs", {}).items() if not _is_link(v)}
+        literal = {k: v for k, v in spec.get("inputs", {}).items() if not is_link(v)}
         column = depth[str(nid)]
         height = 46 + 22 * (len(inputs) + len(slots) + len(cls.RETURN_TYPES))
         y = rows.get(column, 40.0)

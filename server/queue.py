@@ -373,7 +373,7 @@ class Worker:
                 variant = prep.plan.variant_of(node)
                 nodes.append({"node": node, "class_type": prep.prompt[node]["class_type"], "variant": variant,
                               "seconds": data.get("seconds", 0.0), "measured_bytes": 0, "predicted_bytes": next(
-                                  (o.activation for o in prep.costs[node].options if o.name == variant), 0)})
+                                  (o.activation for o in prep.costs[node].variants if o.name == variant), 0)})
                 if output is not None:
                     if len(self.ui_cache) > MAX_HISTORY:
                         self.ui_cache.clear()

@@ -250,7 +250,7 @@ def _needs(engine: Engine, prompt: dict) -> tuple[int, dict[str, int]]:
     bytes by label)."""
     prep = engine.prepare(prompt)
     sizes = {k: m.nbytes for k, m in prep.plan.models.items()}
-    alone = max(sum(sizes[m] for m in c.options[0].models) + c.options[0].activation for c in prep.costs.values())
+    alone = max(sum(sizes[m] for m in c.variants[0].models) + c.variants[0].activation for c in prep.costs.values())
     return alone, {m.label: m.nbytes for m in prep.plan.models.values()}
 
 

@@ -10,7 +10,7 @@ import torch
 from helpers import rel_l2, save
 from refmodels import diffusers_transformer, transformer_to_bfl
 from vramgraph.models import flux2
-from vramgraph.models.common import CheckpointError, read_header, read_headers, strip_prefix
+from vramgraph.models.headers import CheckpointError, read_header, read_headers, strip_prefix
 
 
 @pytest.fixture(scope="module")

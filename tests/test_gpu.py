@@ -75,7 +75,7 @@ def test_planned_swaps_on_the_gpu_give_the_same_image(tmp_path):
         if budget == "tight":
             prep = engine.prepare(wf)
             sizes = sorted(e.info.nbytes for e in engine.ledger.entries.values())
-            act = max(o.activation for c in prep.costs.values() for o in c.options)
+            act = max(o.activation for c in prep.costs.values() for o in c.variants)
             engine.budget = Budget(gpu=sizes[-1] + sizes[0] + act + 2**20, host=8 * 2**30)
         for i in range(2):
             wf["4"]["inputs"]["text"] = f"prompt {i}"
@@ -90,10 +90,10 @@ def test_planned_swaps_on_the_gpu_give_the_same_image(tmp_path):
 @pytest.mark.gpu
 def test_streamed_text_encoder_from_pinned_memory_matches_resident(tmp_path):
     """The text encoder streamed layer by layer from its pinned one-buffer copy gives the resident result."""
-    from vramgraph.graph.estimate import ModelCatalog
     from vramgraph.graph.ledger import Ledger
     from vramgraph.models.qwen3 import PromptTokenizer, encode_prompts, encode_prompts_streamed
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
+    from vramgraph.nodes.catalog import ModelCatalog
     from vramgraph.nodes.files import Folders
 
     models = write_tiny_models(tmp_path / "models", names=SHIPPED_NAMES)

@@ -12,7 +12,7 @@ import torch
 from helpers import save
 from refmodels import diffusers_transformer, transformer_to_bfl
 from vramgraph.models import common, flux2
-from vramgraph.models.common import CheckpointError, read_header, read_headers, strip_prefix
+from vramgraph.models.headers import CheckpointError, read_header, read_headers, strip_prefix
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from vramgraph.models import flux2, loading, qwen3, vae
-from vramgraph.models.common import CheckpointError
+from vramgraph.models.headers import CheckpointError
 
 GiB = 2**30
 
@@ -113,3 +113,45 @@ def test_picks_ours_out_of_a_full_comfyui_folder(tmp_path):
     header_only(m / "diffusion_models" / "flux-2-klein-4b-copy.safetensors", tr)
     with pytest.raises(CheckpointError, match=r"several transformer checkpoints found .* pass the one you mean"):
         loading.inspect(m)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameter shapes without torch: what sizes a plan and names a checkpoint's tensors must equal the built modules.
+
+TINY_DIT = dataclasses.replace(flux2.KLEIN_4B, hidden=64, heads=2, head_dim=32, depth_double=1, depth_single=2,
+                               context_dim=96, in_channels=16)
+TINY_VAE = dataclasses.replace(vae.VAEConfig(), channels=(32, 64), layers_per_block=1, norm_groups=8)
+
+
+def _built(make: object) -> list[tuple[str, tuple[int, ...]]]:
+    with torch.device("meta"):
+        module = make()  # type: ignore[operator]
+    return [(n, tuple(t.shape)) for n, t in [*module.named_parameters(), *module.named_buffers()]]
+
+
+@pytest.mark.parametrize("cfg", [flux2.KLEIN_4B, flux2.KLEIN_9B, TINY_DIT], ids=["4b", "9b", "tiny"])
+def test_transformer_parameter_shapes_are_the_modules(cfg: flux2.Flux2Config) -> None:
+    assert list(flux2.parameter_shapes(cfg).items()) == _built(lambda: flux2.Flux2Transformer(cfg))
+
+
+@pytest.mark.parametrize("cfg", [qwen3.Qwen3Config(), qwen3.QWEN3_8B], ids=["4b", "8b"])
+def test_text_encoder_parameter_shapes_are_the_modules(cfg: qwen3.Qwen3Config) -> None:
+    assert list(qwen3.parameter_shapes(cfg).items()) == _built(lambda: qwen3.Qwen3Encoder(cfg))
+
+
+@pytest.mark.parametrize("parts", [("encoder", "decoder"), ("decoder",), ("encoder",)])
+@pytest.mark.parametrize("cfg", [vae.VAEConfig(), TINY_VAE], ids=["real", "tiny"])
+def test_vae_parameter_shapes_are_the_modules(cfg: vae.VAEConfig, parts: tuple[str, ...]) -> None:
+    assert list(vae.parameter_shapes(cfg, parts).items()) == _built(lambda: vae.Flux2VAE(cfg, parts))
+
+
+def test_one_dtype_table() -> None:
+    from vramgraph.models import dtypes
+
+    assert [dtypes.itemsize(n) for n in ("bf16", "fp16", "fp32")] == [2, 2, 4]
+    assert dtypes.itemsize(torch.bfloat16) == 2
+    assert [dtypes.torch_dtype(n) for n in ("bf16", "fp16", "fp32")] == [torch.bfloat16, torch.float16, torch.float32]
+    assert dtypes.compute_name("BF16") == "bf16" and dtypes.compute_name("F8_E4M3") == "f8_e4m3"
+    assert dtypes.stored_name(torch.float16) == "F16" and dtypes.stored_torch_dtype("I64") == torch.int64
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        dtypes.itemsize("fp8")

@@ -16,7 +16,7 @@ from PIL import Image
 from refmodels import diffusers_transformer, diffusers_vae, transformer_to_bfl, transformers_qwen3, vae_to_bfl
 from vramgraph.cli import main as cli
 from vramgraph.models import loading
-from vramgraph.models.common import CheckpointError
+from vramgraph.models.headers import CheckpointError
 from vramgraph.models.pipeline import generate, load_models
 from vramgraph.models.sampling import noise
 
@@ -113,7 +113,7 @@ def test_inspect_errors(ckpts, tmp_path):
 
 def test_distilled_from_metadata_and_name(ckpts, tmp_path):
     src = ckpts["comfy"] / "diffusion_models" / "flux-2-klein-4b.safetensors"
-    from vramgraph.models.common import read_header
+    from vramgraph.models.headers import read_header
 
     infos, _ = read_header(src)
     from safetensors.torch import load_file

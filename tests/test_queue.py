@@ -54,7 +54,7 @@ def test_queue_loads_each_model_once_and_gives_the_same_images(tiny_models, inpu
     prep = probe.prepare(_prompts(1)[0])
     sizes = {e.info.label: e.info.nbytes for e in probe.ledger.entries.values()}
     need = max(sizes["text encoder"], sizes["transformer"])
-    act = max(o.activation for c in prep.costs.values() for o in c.options)
+    act = max(o.activation for c in prep.costs.values() for o in c.variants)
     budget = Budget(gpu=need + sizes["vae"] + act + 2**20, host=8 * 2**30)
     assert sizes["text encoder"] + sizes["transformer"] > budget.gpu - act  # they cannot be resident together
 

@@ -447,7 +447,7 @@ def tight_engine(folders: Any) -> Any:
     probe = Engine(folders, nodes=NODES)
     prep = probe.prepare(text_to_image())
     sizes = {e.info.label: e.info.nbytes for e in probe.ledger.entries.values()}
-    act = max(o.activation for c in prep.costs.values() for o in c.options)
+    act = max(o.activation for c in prep.costs.values() for o in c.variants)
     assert sizes["text encoder"] + sizes["transformer"] > max(sizes["text encoder"], sizes["transformer"]) + 2**20
     gpu = max(sizes["text encoder"], sizes["transformer"]) + sizes["vae"] + act + 2**20
     return Engine(folders, nodes=NODES, budget=Budget(gpu=gpu, host=8 * 2**30))

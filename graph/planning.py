@@ -1,0 +1,112 @@
+"""The engine's torch-free half: a prompt validated, estimated and planned, before anything runs.
+
+`prepare` is what `Engine.prepare` does and what `vramgraph plan` needs on its own: validate the prompt,
+estimate every node from shapes (model sizes from the catalogue: checkpoint headers, or the built-in
+klein specs), drop the nodes whose outputs are cached (same input signature as before) and ask the
+planner for a Plan. `Planning` holds its settings for callers that plan without an Engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from ..nodes import ENGINE_NODES
+from ..nodes.catalog import ModelCatalog
+from ..nodes.files import MODEL_EXTENSIONS, Folders
+from ..nodes.types import is_link
+from . import estimate, planner
+from .errors import ValidationFailed
+from .validate import inputs_with_defaults, validate
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated prompt with its estimates and plan, ready to run."""
+
+    prompt: dict
+    dag: nx.DiGraph
+    outputs: tuple[str, ...]
+    costs: Mapping[str, Any]
+    signatures: Mapping[str, str]
+    cached: tuple[str, ...]
+    plan: planner.Plan
+    hidden: Mapping[str, tuple[dict, dict | None]] = field(default_factory=dict)  # queued: node -> own prompt, pnginfo
+
+
+def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph) -> dict[str, str]:
+    """Per node a hash of its class and inputs, linked inputs by their source's signature (ComfyUI's cache key)."""
+    sig: dict[str, str] = {}
+    for node in nx.topological_sort(dag):
+        spec = prompt[node]
+        inputs = {k: ["link", sig.get(v[0], v[0]), v[1]] if is_link(v) else v for k, v in spec["inputs"].items()}
+        text = json.dumps([spec["class_type"], inputs], sort_keys=True, default=str)
+        sig[node] = hashlib.sha256(text.encode()).hexdigest()[:24]
+    return sig
+
+
+@dataclass(frozen=True)
+class _AssumedFiles(Folders):
+    """Folders whose model lists also hold the files a prompt names: a plan from the built-in specs needs none."""
+
+    assumed: frozenset[str] = frozenset()
+
+    def list(self, folder: str) -> list[str]:
+        found = super().list(folder)
+        return found if folder == "input" else sorted({*found, *self.assumed})
+
+
+def _model_names(prompt: Any) -> frozenset[str]:
+    """Every literal input of `prompt` that looks like a model file name."""
+    nodes = prompt.values() if isinstance(prompt, Mapping) else ()
+    return frozenset(v for n in nodes if isinstance(n, Mapping) and isinstance(n.get("inputs"), Mapping)
+                     for v in n["inputs"].values() if isinstance(v, str) and v.lower().endswith(MODEL_EXTENSIONS))
+
+
+def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: ModelCatalog, budget: planner.Budget,
+            cost: planner.CostModel, *, repeat: bool = True, cached: Collection[str] = (),
+            start: planner.Residency | None = None, resident: Mapping[str, planner.ModelCost] | None = None
+            ) -> Prepared:
+    """Validate, estimate and plan `prompt` (API format). Raises ValidationFailed or planner.PlanError.
+
+    `cached`: signatures whose outputs the caller holds (those nodes are not planned); `start`: where weights
+    are now; `resident`: models held from earlier prompts (the planner may have to evict them)."""
+    shown = folders
+    if catalog.allow_builtin:  # planning without weights: a named model file is taken as present
+        shown = _AssumedFiles(*(getattr(folders, f) for f in ("models", "input", "output", "temp")),
+                              assumed=_model_names(prompt))
+    check = validate(prompt, nodes, shown)
+    if not check.ok:
+        raise ValidationFailed(check.response())
+    prompt = {n: check.prompt[n] for n in check.dag.nodes}
+    costs = estimate.propagate(prompt, check.dag, nodes, catalog,
+                               lambda cls, inp: inputs_with_defaults(cls, inp, folders))
+    sigs = signatures(prompt, check.dag)
+    held = set(cached)
+    done = tuple(n for n in check.dag.nodes if sigs[n] in held)
+    node_costs, models = estimate.planner_inputs(prompt, costs)
+    for key, m in (resident or {}).items():
+        models.setdefault(key, m)
+    todo = check.dag.subgraph(n for n in check.dag.nodes if n not in done).copy()
+    plan = planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, budget, cost,
+                        start or planner.Residency(), repeat=repeat)
+    return Prepared(prompt, check.dag, check.outputs, costs, sigs, done, plan)
+
+
+@dataclass
+class Planning:
+    """Settings to plan with and no GPU: what `vramgraph plan` uses instead of an Engine (no torch)."""
+
+    folders: Folders
+    catalog: ModelCatalog
+    budget: planner.Budget
+    nodes: Mapping[str, type] = field(default_factory=lambda: dict(ENGINE_NODES))
+    cost: planner.CostModel = field(default_factory=planner.CostModel)
+
+    def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:
+        return prepare(prompt, self.nodes, self.folders, self.catalog, self.budget, self.cost, repeat=repeat)

@@ -1,0 +1,142 @@
+"""The one model catalogue: model infos by kind and file, the tokenizers beside them, their labels.
+
+Both runtimes use it: our engine (graph/executor.py), which resolves names under its `Folders`, and
+the context our nodes get inside ComfyUI (nodes/comfy.py), which resolves them through ComfyUI's
+`folder_paths` and asks for the info of the file it found (`info_at`). Infos come from safetensors
+headers (read with json + struct) or, when the caller only plans and the file is absent, from the
+built-in klein-4B/9B specs; nothing here imports torch except `tokenizer`, which loads one.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..models import flux2_config, loading, qwen3_config, vae_config
+from ..models.dtypes import itemsize
+from ..models.headers import CheckpointError
+from .files import Folders
+from .types import ModelInfo
+
+KINDS = ("transformer", "text_encoder", "vae")
+FOLDERS = {"transformer": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}  # ComfyUI's names
+LABELS = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "vae"}
+
+
+def builtin_config(kind: str, name: str) -> Any:
+    """The built-in spec a file name stands for when the file is absent: klein-9B's parts by name, else 4B's."""
+    big = "9b" in name.lower() or "8b" in name.lower()
+    if kind == "transformer":
+        return flux2_config.KLEIN_9B if big else flux2_config.KLEIN_4B
+    if kind == "text_encoder":
+        return qwen3_config.QWEN3_8B if big else qwen3_config.Qwen3Config()
+    return vae_config.VAEConfig()
+
+
+def builtin_params(kind: str, config: Any) -> int:
+    """Parameters of a model built from `config` (what loading it puts on the GPU), counted without building it."""
+    family = {"transformer": flux2_config, "text_encoder": qwen3_config, "vae": vae_config}[kind]
+    return sum(math.prod(s) for s in family.parameter_shapes(config).values())
+
+
+@dataclass
+class ModelCatalog:
+    """Model infos by (kind, file) under `folders` (None: callers resolve files themselves and use `info_at`),
+    cached by path and modification time, and one tokenizer per tokenizer file."""
+
+    folders: Folders | None = None
+    dtype: str = "bf16"
+    allow_builtin: bool = False  # plan without files: use the built-in klein specs by name
+    _cache: dict = field(default_factory=dict, repr=False)
+    _tokenizers: dict = field(default_factory=dict, repr=False)
+    _lock: Any = field(default_factory=threading.RLock, repr=False)
+
+    # -- infos
+    def _info(self, kind: str, path: Path, spec: loading.ComponentSpec, tokenizer: Path | None, dtype: str
+              ) -> ModelInfo:
+        info = ModelInfo(f"{kind}:{path}:{dtype}", kind, LABELS[kind], spec.nbytes(dtype), spec.config, spec, dtype)
+        self._cache[("tokenizer", info.key)] = tokenizer
+        return info
+
+    def info_at(self, kind: str, path: Path, dtype: str | None = None, name: str | None = None) -> ModelInfo:
+        """The info of the `kind` component in the file (or folder) at `path`."""
+        dtype = dtype or self.dtype
+        stamp = (kind, str(path), path.stat().st_mtime_ns, dtype)
+        with self._lock:
+            if stamp not in self._cache:
+                spec = loading.inspect([path])
+                comp = getattr(spec, kind)
+                if comp is None:
+                    found = [k for k in KINDS if getattr(spec, k) is not None]
+                    what = found[0].replace("_", " ") if found else "unknown model"
+                    raise CheckpointError(f"{name or path.name} is a {what}, not a {kind.replace('_', ' ')}; "
+                                          f"pick a file from {FOLDERS[kind]}/")
+                self._cache[stamp] = self._info(kind, path, comp, spec.tokenizer, dtype)
+            return self._cache[stamp]
+
+    def model_info(self, kind: str, name: str, dtype: str = "default") -> ModelInfo:
+        """What a loader of `kind` given the file `name` loads (a built-in spec if absent and `allow_builtin`)."""
+        try:
+            if self.folders is None:
+                raise FileNotFoundError(f"'{name}': this catalogue has no folders to look in")
+            path = self.folders.resolve(FOLDERS[kind], name)
+        except FileNotFoundError:
+            if not self.allow_builtin:
+                raise
+            config = builtin_config(kind, name)
+            key = ("builtin", kind, name)
+            with self._lock:
+                if key not in self._cache:
+                    self._cache[key] = builtin_params(kind, config) * itemsize(self.dtype)
+            return ModelInfo(f"{kind}:{name}:{self.dtype}", kind, LABELS[kind], self._cache[key], config, None,
+                             self.dtype)
+        return self.info_at(kind, path, name=name)
+
+    def checkpoint_infos_at(self, path: Path, dtype: str | None = None) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
+        """The three components of a whole model at `path` (HF folder, ComfyUI models folder, folder of files)."""
+        dtype = dtype or self.dtype
+        stamp = ("checkpoint", str(path), path.stat().st_mtime_ns if path.exists() else 0, dtype)
+        with self._lock:
+            if stamp not in self._cache:
+                spec = loading.inspect([path])
+                self._cache[stamp] = tuple(self._info(k, path, spec.component(k), spec.tokenizer, dtype)
+                                           for k in KINDS)
+            return self._cache[stamp]
+
+    def checkpoint_infos(self, path: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
+        """`checkpoint_infos_at` a path as given, or relative to one of the models folders."""
+        p = Path(path).expanduser()
+        if not p.is_absolute() and not p.exists() and self.folders is not None:
+            p = next((root / path for root in self.folders.models if (root / path).exists()), p)
+        return self.checkpoint_infos_at(p)
+
+    def tokenizer_for(self, info: ModelInfo) -> Path | None:
+        """The tokenizer.json found beside a text encoder's checkpoint (None: the bundled one)."""
+        with self._lock:
+            return self._cache.get(("tokenizer", info.key))
+
+    # -- tokenizers
+    def tokenizer(self, path: Path | None) -> Any:
+        """The PromptTokenizer of a tokenizer.json (None: the bundled one), made once."""
+        with self._lock:
+            if path not in self._tokenizers:
+                from ..models.qwen3 import PromptTokenizer
+
+                self._tokenizers[path] = PromptTokenizer.find(path)
+            return self._tokenizers[path]
+
+    # -- what estimates ask (nodes.types.EstimateEnv)
+    def image_size(self, name: str) -> tuple[int, int]:
+        from PIL import Image
+
+        if self.folders is None:
+            raise FileNotFoundError(f"'{name}': this catalogue has no input folder")
+        with Image.open(self.folders.resolve("input", name)) as im:
+            return im.size
+
+    @property
+    def compute_dtype(self) -> str:
+        return self.dtype

@@ -265,13 +265,14 @@ def _plan(args: argparse.Namespace) -> int:
         _resize(wf.prompt, args.size)
     if args.dtype is None:  # a plan is for the GPU, where the models run in bf16 (fp32 is the CPU's run default)
         args.dtype = "bf16"
-    prep = planning_from(args, host=args.host).prepare(wf.prompt)
+    planning = planning_from(args, host=args.host)
+    prep = planning.prepare(wf.prompt)
     if args.json:
         print(json.dumps(prep.plan.to_json(), indent=1))
     else:
         print(prep.plan.table())
     if args.svg:
-        svg = timeline_svg(prep.plan, Path(args.workflow).name, card=engine.budget.card, prompt=prep.prompt)
+        svg = timeline_svg(prep.plan, Path(args.workflow).name, card=planning.budget.card, prompt=prep.prompt)
         Path(args.svg).write_text(svg, encoding="utf-8")
         log.info("timeline: %s", args.svg)
     return 0

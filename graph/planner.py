@@ -41,11 +41,12 @@ import math
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import networkx as nx
 
-from ..nodes.types import Variant
+if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
+    from ..nodes.types import Variant
 
 GiB = 2**30
 DEFAULT_RESERVE = 256 * 2**20  # allocator rounding, cuBLAS/cuDNN workspaces, the RoPE tables

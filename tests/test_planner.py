@@ -31,10 +31,10 @@ from vramgraph.graph.planner import (
     Residency,
     Run,
     Unload,
-    Variant,
     plan,
 )
 from vramgraph.graph.timeline import timeline_data, timeline_svg
+from vramgraph.nodes.types import Variant
 
 MiB = 2**20
 

@@ -27,11 +27,11 @@ from vramgraph.graph.planner import (
     Residency,
     Run,
     Unload,
-    Variant,
     plan,
 )
 from vramgraph.graph.queue import merge
 from vramgraph.graph.timeline import ASCENT, DESCENT, image_sizes, text_width, timeline_svg
+from vramgraph.nodes.types import Variant
 
 ROOT = Path(__file__).resolve().parents[1]
 NS = "{http://www.w3.org/2000/svg}"

@@ -213,8 +213,7 @@ class Routes:
     async def interrupt(self, request: web.Request) -> web.Response:
         body = await _body(request) if request.can_read_body else None
         wanted = body.get("prompt_id") if isinstance(body, dict) else None
-        if wanted is None or wanted in self.queue.running:
-            self.engine.interrupt()
+        self.worker.interrupt(str(wanted) if wanted else None)  # with an id: that running prompt alone
         return web.Response(status=200)
 
     async def free(self, request: web.Request) -> web.Response:

@@ -30,6 +30,8 @@ from typing import Any
 
 from aiohttp import web
 
+from .compat import Compat
+from .formats import MAX_UPLOAD_SIZE
 from .hub import Hub
 from .queue import PromptQueue, Worker
 from .routes import Routes, plan_response
@@ -77,7 +79,7 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
-             batch: bool = True, plugins: tuple[str, ...] = ()) -> web.Application:
+             batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None) -> web.Application:
     """The aiohttp application over `engine` (a graph.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -86,6 +88,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     `preview_method` other than "none", or for every prompt with `previews` (ComfyUI sends none by default,
     and some clients take any binary frame for a result). The worker thread starts and stops with the app.
     `plugins` are Python files or module names whose `setup(app, engine)` adds routes (bench/ has one).
+    `user_dir` is where ComfyUI's front end finds settings and user files, read-only (see server/compat.py).
     """
     from ..graph.executor import Engine
 
@@ -95,9 +98,9 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     queue, hub = PromptQueue(), Hub()
     worker = Worker(engine, queue, hub, previews, batch=batch)
     routes = Routes(engine, queue, hub, worker, planner)
-    app = web.Application(client_max_size=256 * 2**20)
+    app = web.Application(client_max_size=MAX_UPLOAD_SIZE)
     app[ROUTES] = routes
-    for method, path, handler in routes.table():
+    for method, path, handler in [*routes.table(), *Compat(routes, user_dir).table()]:
         app.router.add_route(method, path, handler)
         app.router.add_route(method, "/api" + path, handler)
     app.router.add_get("/", _index)

@@ -9,6 +9,7 @@ columns by depth, whose conversion back (`graph.workflow.ui_to_api`) gives the p
 from __future__ import annotations
 
 import copy
+import json
 import os
 import platform
 import sys
@@ -83,6 +84,17 @@ def system_stats(engine: Any) -> dict:
 # ------------------------------------------------------------------------------------------ /features, jobs
 
 JOB_STATUSES = ("pending", "in_progress", "completed", "failed", "cancelled")
+MAX_UPLOAD_SIZE = 256 * 2**20  # the largest request body the server reads (aiohttp's client_max_size)
+FEATURE_FLAGS = "feature_flags"  # the websocket message a ComfyUI front end sends first, and our answer's type
+
+
+def is_feature_flags(text: str) -> bool:
+    """Whether a websocket text message is ComfyUI's `{"type": "feature_flags", "data": {...}}`."""
+    try:
+        message = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(message, dict) and message.get("type") == FEATURE_FLAGS
 
 
 def features(max_upload_size: int) -> dict:
@@ -271,5 +283,5 @@ def _build_ui(prompt: Mapping[str, dict], nodes: Mapping[str, type]) -> dict:
             "links": links, "groups": [], "config": {}, "extra": {}, "version": 0.4}
 
 
-__all__ = ["JOB_STATUSES", "ProgressState", "api_to_ui", "features", "finished_job", "node_info", "object_info",
-           "queued_job", "system_stats"]
+__all__ = ["FEATURE_FLAGS", "JOB_STATUSES", "MAX_UPLOAD_SIZE", "ProgressState", "api_to_ui", "features",
+           "finished_job", "is_feature_flags", "node_info", "object_info", "queued_job", "system_stats"]

@@ -6,9 +6,15 @@ Existing ComfyUI clients work unchanged: POST /prompt (validated when submitted,
 answers them), /queue, /history, /view, /object_info, /upload/image, /interrupt, /free,
 /system_stats, and /ws with ComfyUI's events (status, execution_start, execution_cached, executing,
 progress, executed, execution_success, execution_error, execution_interrupted, binary preview frames).
-Every route also answers under /api, as ComfyUI's does. Our additions: the `vramgraph.plan` event
-(the running prompt's plan and its timeline) and `vramgraph.step` (each load and unload as it
-happens), and POST /vramgraph/plan, /vramgraph/convert, /vramgraph/ui for the page.
+More of ComfyUI's routes, which its front end and newer clients call, are in compat.py: /features (and
+the answer to the websocket's `feature_flags`), /models, /api/jobs, /upload/mask, /view_metadata and the
+read-only /settings, /userdata and /users; the events include `progress_state`, and `execution_cached`
+even when it lists no node. POST /prompt honours `partial_execution_targets`; /interrupt with a prompt id
+stops that prompt alone (see queue.py). Every route also answers under /api, as ComfyUI's does.
+
+Our additions: the `vramgraph.plan` event (the running prompt's plan and its timeline) and
+`vramgraph.step` (each load and unload as it happens), and POST /vramgraph/plan, /vramgraph/convert,
+/vramgraph/ui for the page.
 
 One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
 reach the websockets through one outgoing message queue on the event loop, so they keep their order.

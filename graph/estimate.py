@@ -15,7 +15,7 @@ import networkx as nx
 
 from ..nodes.types import UNKNOWN, Cost, ModelInfo, is_link
 from . import planner
-from .errors import NodeExecutionError
+from .errors import NodeExecutionError, _type_name
 
 
 def inputs_of(prompt: Mapping[str, dict], node: str, values: Mapping[str, tuple]) -> dict[str, Any]:
@@ -44,8 +44,8 @@ def propagate(prompt: Mapping[str, dict], dag: nx.DiGraph, nodes: Mapping[str, t
             cost = cls.vg_estimate(env, **inputs)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             # a missing or unreadable file, or a value the node cannot use: the node fails, by name, before any run
-            raise NodeExecutionError(node, prompt[node]["class_type"], f"{type(e).__name__}: {e}",
-                                     type(e).__name__, traceback.format_exception(e)) from e
+            raise NodeExecutionError(node, prompt[node]["class_type"], str(e), _type_name(type(e)),
+                                     traceback.format_exception(e)) from e
         costs[node] = cost
         outputs[node] = cost.outputs
     return costs

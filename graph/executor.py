@@ -6,6 +6,11 @@ for a Plan; `Engine.run` then executes the plan step by step: Load/Unload throug
 ledger, Run by calling the node. Each Run's real GPU peak is measured and reported against the
 prediction. A failing node (an allocation failure included) stops the run with an error that names
 it; no later node runs, so no PNG is written from partial work, and the next run starts clean.
+
+A run can also lose some of its outputs while it goes on (`Cancel`, a targeted interrupt of one prompt
+of a merged queue): the nodes that only those outputs need are left out of the rest of the plan (the
+one running is stopped at its next progress report), the others run as planned, so every other output
+is computed by the same nodes with the same inputs as before.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +144,60 @@ def _quiet(kind: str, data: dict) -> None:
     pass
 
 
+class Cancel:
+    """Output nodes to leave out of a run, asked from any thread before or while it runs (see the module doc).
+
+    `Engine.run(..., cancel=c)` polls it before every step and at every progress report of a node; each time new
+    outputs are asked for, the run reports a "cancelled" event: {"outputs": those outputs, "node": the running
+    node stopped for them or None, "dropped": the nodes left out for them, in plan order}.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outputs: set[str] = set()
+
+    def outputs(self, ids: Iterable[str]) -> None:
+        with self._lock:
+            self._outputs.update(ids)
+
+    def wanted(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._outputs)
+
+
+class _Dropped(InterruptedRun):
+    """The running node was left out of its run by a `Cancel` (caught by the run, never raised out of it)."""
+
+
+@dataclass
+class _Cuts:
+    """A run's cancellations so far: the outputs given up and the plan's nodes no longer to run."""
+
+    cancel: Cancel
+    prep: Prepared
+    values: dict
+    events: Events
+    step: int = 0
+    outputs: set[str] = field(default_factory=set)
+    dropped: set[str] = field(default_factory=set)
+
+    def apply(self, running: str | None) -> bool:
+        """Take in newly cancelled outputs; True when `running` is no longer needed."""
+        new = (self.cancel.wanted() & set(self.prep.outputs)) - self.outputs
+        if new:
+            self.outputs |= new
+            keep: set[str] = set()
+            for o in self.prep.outputs:
+                if o not in self.outputs:
+                    keep |= nx.ancestors(self.prep.dag, o) | {o}
+            later = [s.step.node for s in self.prep.plan.steps[self.step:] if isinstance(s.step, planner.Run)]
+            cut = [n for n in later if n not in keep and n not in self.dropped and n not in self.values]
+            self.dropped.update(cut)
+            self.events("cancelled", {"outputs": sorted(new), "node": running if running in cut else None,
+                                      "dropped": cut})
+        return running is not None and running in self.dropped
+
+
 class Engine:
     """One process's engine: the model catalog, the residency ledger, the output cache and the budget."""
 
@@ -158,6 +217,7 @@ class Engine:
         self._interrupt = threading.Event()
         self._lock = threading.Lock()
         self._pid = ""
+        self._cuts: _Cuts | None = None  # the running run's cancellations (see Cancel)
         self._peaks = (0, 0)  # torch allocator peaks (allocated, reserved) since `peaks(reset=True)`, across nodes
 
     # -- services for nodes
@@ -171,6 +231,8 @@ class Engine:
         if self._interrupt.is_set():
             self._interrupt.clear()
             raise InterruptedRun(node, class_type)
+        if self._cuts is not None and self._cuts.apply(node):
+            raise _Dropped(node, class_type)
 
     def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
         """ComfyUI's /free: forget cached outputs and unload every model (weights and pinned copies)."""
@@ -216,20 +278,22 @@ class Engine:
                        max(self._peaks[1], torch.cuda.max_memory_reserved(self.device)))
 
     # -- planning
-    def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:
-        """Validate, estimate and plan `prompt` (API format) from where the weights are now and what is cached.
+    def prepare(self, prompt: dict, *, repeat: bool = True, outputs: Iterable[str] | None = None) -> Prepared:
+        """Validate, estimate and plan `prompt` (API format) from where the weights are now and what is cached;
+        `outputs` limits the output nodes run (ComfyUI's partial_execution_targets), None runs them all.
         Raises ValidationFailed or planner.PlanError."""
         resident = {key: planner.ModelCost(key, e.info.nbytes, e.info.label) for key, e in self.ledger.entries.items()}
         prep = prepare(prompt, self.nodes, self.folders, self.catalog, self.budget, self.cost, repeat=repeat,
-                       cached=self._cache.keys(), start=planner.Residency(self.ledger.on_gpu, self.ledger.pinned),
-                       resident=resident)
+                       outputs=outputs, cached=self._cache.keys(),
+                       start=planner.Residency(self.ledger.on_gpu, self.ledger.pinned), resident=resident)
         for info in (o for c in prep.costs.values() for o in c.outputs if isinstance(o, ModelInfo)):
             self.ledger.register(info)
         return prep
 
     # -- running
     def run(self, prompt: dict | Prepared, *, extra_pnginfo: dict | None = None, prompt_id: str | None = None,
-            events: Events = _quiet) -> RunResult:
+            events: Events = _quiet, cancel: Cancel | None = None) -> RunResult:
+        """Run `prompt` (or a prepared one); `cancel` may take outputs out of it while it runs (see Cancel)."""
         with self._lock:
             self._interrupt.clear()
             prep = prompt if isinstance(prompt, Prepared) else self.prepare(prompt)
@@ -237,16 +301,18 @@ class Engine:
             result = RunResult(pid, prep.plan, cached=prep.cached)
             events("execution_start", {"prompt_id": pid})
             events("plan", {"prompt_id": pid, "plan": prep.plan.to_json()})
-            if prep.cached:
-                events("execution_cached", {"prompt_id": pid, "nodes": list(prep.cached)})
+            events("execution_cached", {"prompt_id": pid, "nodes": list(prep.cached)})  # as ComfyUI: empty too
             t0 = time.perf_counter()
             values = {n: self._cache[prep.signatures[n]] for n in prep.cached}
+            self._cuts = None if cancel is None else _Cuts(cancel, prep, values, events)
             try:
                 for i, ps in enumerate(prep.plan.steps):
                     self._step(i, ps, prep, values, result, extra_pnginfo, events)
             except BaseException:
                 self._release()
                 raise
+            finally:
+                self._cuts = None
             self._cache = {prep.signatures[n]: values[n] for n in prep.dag.nodes if n in values}
             self.ledger.forget(_models_in(self._cache.values()))
             self._release()
@@ -255,12 +321,15 @@ class Engine:
             events("execution_success", {"prompt_id": pid})
             return result
 
-    def prepare_queue(self, prompts: list[dict], extra_pnginfo: list[dict | None] | None = None
-                      ) -> tuple[Prepared, queue.Merged]:
-        """Several prompts merged into one graph (see graph/queue.py) and planned at once. Output nodes get
-        their own prompt and pnginfo as hidden inputs, so each saved PNG carries its own prompt."""
+    def prepare_queue(self, prompts: list[dict], extra_pnginfo: list[dict | None] | None = None,
+                      outputs: list[list[str] | None] | None = None) -> tuple[Prepared, queue.Merged]:
+        """Several prompts merged into one graph (see graph/queue.py) and planned at once; `outputs` limits each
+        prompt's output nodes (None: all). Output nodes get their own prompt and pnginfo as hidden inputs, so each
+        saved PNG carries its own prompt."""
         extras = extra_pnginfo or [None] * len(prompts)
-        merged = queue.merge(prompts, frozenset(k for k, c in self.nodes.items() if getattr(c, "OUTPUT_NODE", False)))
+        wanted = outputs or [None] * len(prompts)
+        parts = [p if o is None else queue.needed(p, o) for p, o in zip(prompts, wanted, strict=True)]
+        merged = queue.merge(parts, frozenset(k for k, c in self.nodes.items() if getattr(c, "OUTPUT_NODE", False)))
         prep = self.prepare(merged.prompt)
         hidden = {new: (prompts[i], extras[i]) for i, rename in enumerate(merged.members) for new in rename.values()
                   if prep.prompt.get(new, {}).get("class_type") in self.nodes
@@ -318,8 +387,18 @@ class Engine:
             self._release()
             events("vg_step", {"step": i, "kind": "unload", "model": step.model, "to": step.to})
         else:
-            self.check_interrupted(step.node, prep.prompt[step.node]["class_type"])
-            report = self._run_node(step.node, step.variant, ps, prep, values, extra_pnginfo, events)
+            cuts = self._cuts
+            if cuts is not None:
+                cuts.step = i
+                cuts.apply(None)
+                if step.node in cuts.dropped:  # only cancelled outputs needed it
+                    return
+            try:
+                self.check_interrupted(step.node, prep.prompt[step.node]["class_type"])
+                report = self._run_node(step.node, step.variant, ps, prep, values, extra_pnginfo, events)
+            except _Dropped:  # stopped while it ran: nothing it made is kept
+                self._release()
+                return
             result.nodes.append(report)
             ui = values.get(("ui", step.node))
             if ui is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,17 +70,18 @@ def _model_names(prompt: Any) -> frozenset[str]:
 
 def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: ModelCatalog, budget: planner.Budget,
             cost: planner.CostModel, *, repeat: bool = True, cached: Collection[str] = (),
-            start: planner.Residency | None = None, resident: Mapping[str, planner.ModelCost] | None = None
-            ) -> Prepared:
+            start: planner.Residency | None = None, resident: Mapping[str, planner.ModelCost] | None = None,
+            outputs: Iterable[str] | None = None) -> Prepared:
     """Validate, estimate and plan `prompt` (API format). Raises ValidationFailed or planner.PlanError.
 
     `cached`: signatures whose outputs the caller holds (those nodes are not planned); `start`: where weights
-    are now; `resident`: models held from earlier prompts (the planner may have to evict them)."""
+    are now; `resident`: models held from earlier prompts (the planner may have to evict them); `outputs`: the
+    output nodes to run (ComfyUI's partial_execution_targets), None for all."""
     shown = folders
     if catalog.allow_builtin:  # planning without weights: a named model file is taken as present
         shown = _AssumedFiles(*(getattr(folders, f) for f in ("models", "input", "output", "temp")),
                               assumed=_model_names(prompt))
-    check = validate(prompt, nodes, shown)
+    check = validate(prompt, nodes, shown, None if outputs is None else list(outputs))
     if not check.ok:
         raise ValidationFailed(check.response())
     prompt = {n: check.prompt[n] for n in check.dag.nodes}

@@ -36,6 +36,21 @@ def _order(prompt: Mapping[str, dict]) -> list[str]:
     return list(nx.topological_sort(g))
 
 
+def needed(prompt: Mapping[str, dict], outputs: Sequence[str]) -> dict:
+    """The part of `prompt` that `outputs` need: those nodes and every node they link to, transitively."""
+    keep: set[str] = set()
+    stack = [str(o) for o in outputs if str(o) in prompt]
+    while stack:
+        node = stack.pop()
+        if node in keep:
+            continue
+        keep.add(node)
+        inputs = prompt[node].get("inputs", {})
+        stack.extend(v[0] for v in (inputs.values() if isinstance(inputs, Mapping) else ()) if is_link(v)
+                     and v[0] in prompt)
+    return {n: spec for n, spec in prompt.items() if n in keep}
+
+
 def merge(prompts: Sequence[Mapping[str, dict]], output_types: frozenset[str] = frozenset()) -> Merged:
     """One API prompt for a queue of prompts; nodes with identical inputs are shared, outputs never."""
     merged: dict[str, dict] = {}

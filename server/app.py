@@ -6,9 +6,15 @@ Existing ComfyUI clients work unchanged: POST /prompt (validated when submitted,
 answers them), /queue, /history, /view, /object_info, /upload/image, /interrupt, /free,
 /system_stats, and /ws with ComfyUI's events (status, execution_start, execution_cached, executing,
 progress, executed, execution_success, execution_error, execution_interrupted, binary preview frames).
-Every route also answers under /api, as ComfyUI's does. Our additions: the `vramgraph.plan` event
-(the running prompt's plan and its timeline) and `vramgraph.step` (each load and unload as it
-happens), and POST /vramgraph/plan, /vramgraph/convert, /vramgraph/ui for the page.
+More of ComfyUI's routes, which its front end and newer clients call, are in compat.py: /features (and
+the answer to the websocket's `feature_flags`), /models, /api/jobs, /upload/mask, /view_metadata and the
+read-only /settings, /userdata and /users; the events include `progress_state`, and `execution_cached`
+even when it lists no node. POST /prompt honours `partial_execution_targets`; /interrupt with a prompt id
+stops that prompt alone (see queue.py). Every route also answers under /api, as ComfyUI's does.
+
+Our additions: the `vramgraph.plan` event (the running prompt's plan and its timeline) and
+`vramgraph.step` (each load and unload as it happens), and POST /vramgraph/plan, /vramgraph/convert,
+/vramgraph/ui for the page.
 
 One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
 reach the websockets through one outgoing message queue on the event loop, so they keep their order.
@@ -30,6 +36,8 @@ from typing import Any
 
 from aiohttp import web
 
+from .compat import Compat
+from .formats import MAX_UPLOAD_SIZE
 from .hub import Hub
 from .queue import PromptQueue, Worker
 from .routes import Routes, plan_response
@@ -77,7 +85,7 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
-             batch: bool = True, plugins: tuple[str, ...] = ()) -> web.Application:
+             batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None) -> web.Application:
     """The aiohttp application over `engine` (a graph.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -86,6 +94,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     `preview_method` other than "none", or for every prompt with `previews` (ComfyUI sends none by default,
     and some clients take any binary frame for a result). The worker thread starts and stops with the app.
     `plugins` are Python files or module names whose `setup(app, engine)` adds routes (bench/ has one).
+    `user_dir` is where ComfyUI's front end finds settings and user files, read-only (see server/compat.py).
     """
     from ..graph.executor import Engine
 
@@ -95,9 +104,9 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     queue, hub = PromptQueue(), Hub()
     worker = Worker(engine, queue, hub, previews, batch=batch)
     routes = Routes(engine, queue, hub, worker, planner)
-    app = web.Application(client_max_size=256 * 2**20)
+    app = web.Application(client_max_size=MAX_UPLOAD_SIZE)
     app[ROUTES] = routes
-    for method, path, handler in routes.table():
+    for method, path, handler in [*routes.table(), *Compat(routes, user_dir).table()]:
         app.router.add_route(method, path, handler)
         app.router.add_route(method, "/api" + path, handler)
     app.router.add_get("/", _index)

@@ -1,4 +1,5 @@
-"""What the server answers in ComfyUI's shapes: /object_info, /system_stats, and API -> UI format.
+"""What the server answers in ComfyUI's shapes: /object_info, /system_stats, /features, /api/jobs, the
+`progress_state` event, and API -> UI format.
 
 `api_to_ui` lets the page save a workflow in the UI format ComfyUI's front end opens: when the prompt
 came from a UI file, that file with its widget values updated; otherwise a new UI graph laid out in
@@ -8,6 +9,7 @@ columns by depth, whose conversion back (`graph.workflow.ui_to_api`) gives the p
 from __future__ import annotations
 
 import copy
+import json
 import os
 import platform
 import sys
@@ -78,6 +80,94 @@ def system_stats(engine: Any) -> dict:
                        "platform": platform.platform()},
             "devices": [device],
             "vramgraph": {"budget": engine.budget.to_json(), "dtype": engine.dtype}}
+
+
+# ------------------------------------------------------------------------------------------ /features, jobs
+
+JOB_STATUSES = ("pending", "in_progress", "completed", "failed", "cancelled")
+MAX_UPLOAD_SIZE = 256 * 2**20  # the largest request body the server reads (aiohttp's client_max_size)
+FEATURE_FLAGS = "feature_flags"  # the websocket message a ComfyUI front end sends first, and our answer's type
+
+
+def is_feature_flags(text: str) -> bool:
+    """Whether a websocket text message is ComfyUI's `{"type": "feature_flags", "data": {...}}`."""
+    try:
+        message = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(message, dict) and message.get("type") == FEATURE_FLAGS
+
+
+def features(max_upload_size: int) -> dict:
+    """Our /features and websocket `feature_flags` answer: ComfyUI's keys, with what this server does."""
+    return {"supports_preview_metadata": False, "max_upload_size": max_upload_size,
+            "extension": {"manager": {"supports_v4": False}}, "node_replacements": False, "assets": False,
+            "vramgraph": {"batches": True, "targeted_interrupt": True, "plan": True}}
+
+
+def _pruned(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def queued_job(item: tuple, status: str) -> dict:
+    """A pending or running queue item as one of ComfyUI's /api/jobs entries."""
+    number, pid, _, extra = item[:4]
+    workflow = ((extra.get("extra_pnginfo") or {}).get("workflow") or {}) if isinstance(extra, dict) else {}
+    return _pruned({"id": pid, "status": status, "priority": number, "create_time": extra.get("create_time"),
+                    "outputs_count": 0, "previewable_outputs_count": 0,
+                    "workflow_id": workflow.get("id") if isinstance(workflow, dict) else None})
+
+
+def finished_job(pid: str, entry: dict) -> dict:
+    """A history entry as one of ComfyUI's /api/jobs entries (interrupted: "cancelled", other errors: "failed")."""
+    job = queued_job(tuple(entry["prompt"]), "completed")
+    status = entry.get("status") or {}
+    start = end = error = None
+    interrupted = False
+    for kind, data in status.get("messages", []):
+        if kind == "execution_start":
+            start = data.get("timestamp")
+        elif kind in ("execution_success", "execution_error", "execution_interrupted"):
+            end = data.get("timestamp")
+            error = data if kind == "execution_error" else error
+            interrupted = interrupted or kind == "execution_interrupted"
+    if status.get("status_str") == "error":
+        job["status"] = "cancelled" if interrupted else "failed"
+    items = [{**im, "nodeId": node, "mediaType": kind} for node, out in entry.get("outputs", {}).items()
+             for kind, ims in out.items() if isinstance(ims, list) for im in ims if isinstance(im, dict)]
+    preview = next((i for i in items if i.get("type") == "output"), items[0] if items else None)
+    job.update(_pruned({"execution_start_time": start, "execution_end_time": end, "execution_error": error,
+                        "outputs_count": len(items), "previewable_outputs_count": sum(
+                            1 for i in items if i["mediaType"] == "images"), "preview_output": preview}))
+    return job
+
+
+class ProgressState:
+    """ComfyUI's `progress_state` event for one prompt: every node started so far, with its state and progress."""
+
+    def __init__(self, prompt_id: str) -> None:
+        self.prompt_id = prompt_id
+        self.nodes: dict[str, dict] = {}
+
+    def _set(self, node: str, state: str, value: float | None = None, max_: float | None = None) -> dict:
+        entry = self.nodes.setdefault(node, {"value": 0.0, "max": 1.0, "state": state, "node_id": node,
+                                             "prompt_id": self.prompt_id, "display_node_id": node,
+                                             "parent_node_id": None, "real_node_id": node})
+        entry["state"] = state
+        if value is not None:
+            entry["value"], entry["max"] = value, max_ if max_ is not None else entry["max"]
+        if state == "finished":
+            entry["value"] = entry["max"]
+        return {"prompt_id": self.prompt_id, "nodes": {n: dict(e) for n, e in self.nodes.items()}}
+
+    def start(self, node: str) -> dict:
+        return self._set(node, "running", 0.0, 1.0)
+
+    def update(self, node: str, value: float, max_: float) -> dict:
+        return self._set(node, "running", value, max_)
+
+    def finish(self, node: str) -> dict:
+        return self._set(node, "finished")
 
 
 # ------------------------------------------------------------------------------------------ API -> UI
@@ -190,4 +280,5 @@ def _build_ui(prompt: Mapping[str, dict], nodes: Mapping[str, type]) -> dict:
             "links": links, "groups": [], "config": {}, "extra": {}, "version": 0.4}
 
 
-__all__ = ["api_to_ui", "node_info", "object_info", "system_stats"]
+__all__ = ["FEATURE_FLAGS", "JOB_STATUSES", "MAX_UPLOAD_SIZE", "ProgressState", "api_to_ui", "features",
+           "finished_job", "is_feature_flags", "node_info", "object_info", "queued_job", "system_stats"]

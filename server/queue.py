@@ -10,8 +10,14 @@ Batches: when the worker takes a prompt and more are already pending, it takes t
 load of each model. Every client still sees ComfyUI's per-prompt events with its own node ids, and a
 prompt finishes (history entry, execution_success, executing None) as soon as its last node has run.
 If a node of the batch fails, the prompts not yet complete run again one by one, so each error is
-reported as it would be alone; an interrupt (/interrupt with any of its prompt ids, or none) interrupts every
-incomplete prompt of the batch. Prompts not yet taken stay in the queue, where /queue can delete them.
+reported as it would be alone.
+
+Interrupts: /interrupt with a running prompt's id stops that prompt alone. The worker asks the engine to
+give up that prompt's output nodes (graph.executor.Cancel): the nodes only they need leave the rest of the
+plan (the one running stops at its next progress report), the nodes other prompts need too (loaders, a
+shared encode) run on, and every other prompt of the batch finishes with the image it would have had. That
+prompt alone gets `execution_interrupted`. /interrupt without an id stops what is running, every incomplete
+prompt of the batch, as ComfyUI does. Prompts not yet taken stay in the queue, where /queue can delete them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .formats import ProgressState
 from .hub import PREVIEW_IMAGE, Hub, encode_preview
 
 log = logging.getLogger("vramgraph.server")
@@ -150,6 +157,10 @@ class Worker:
         self.last_node: str | None = None
         self.plan_message: dict | None = None  # the running prompt's vramgraph.plan data, for reconnecting pages
         self.ui_cache: dict[str, dict] = {}  # node signature -> its ui, re-sent when the engine reports it cached
+        self._lock = threading.Lock()  # guards the three below: /interrupt's thread against the worker's
+        self._stopping: set[str] = set()  # taken prompts asked to stop (a targeted /interrupt)
+        self._targets: dict[str, tuple[str, ...]] = {}  # running prompt -> its output nodes in the running graph
+        self._cancel: Any = None  # the running graph's graph.executor.Cancel
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="vramgraph-worker", daemon=True)
@@ -165,6 +176,35 @@ class Worker:
     def status(self) -> dict:
         return {"exec_info": {"queue_remaining": self.queue.remaining()}}
 
+    def interrupt(self, prompt_id: str | None = None) -> bool:
+        """/interrupt: without an id, stop what is running; with a running prompt's id, stop that prompt alone
+        (see the module doc). False when that prompt is not running (pending, finished, unknown: nothing stops)."""
+        if prompt_id is None:
+            self.engine.interrupt()
+            return True
+        with self._lock:
+            if prompt_id not in self.queue.running:
+                return False
+            self._stopping.add(prompt_id)
+            if prompt_id in self._targets and self._cancel is not None:
+                self._cancel.outputs(self._targets[prompt_id])
+        return True
+
+    def _track(self, cancel: Any, targets: dict[str, tuple[str, ...]]) -> None:
+        """The graph about to run: its Cancel and each prompt's outputs in it; stops asked for already apply."""
+        with self._lock:
+            self._cancel, self._targets = cancel, dict(targets)
+            for pid in self._stopping & set(targets):
+                cancel.outputs(targets[pid])
+
+    def _untrack(self, pid: str | None = None) -> None:
+        """One prompt of the running graph is over (or, with None, the whole graph)."""
+        with self._lock:
+            if pid is None:
+                self._cancel, self._targets = None, {}
+            else:
+                self._targets.pop(pid, None)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             item = self.queue.get(timeout=1.0)
@@ -179,12 +219,16 @@ class Worker:
                     log.exception("prompt(s) %s: unexpected failure", ", ".join(i[1] for i in items))
                 finally:
                     self._settle(items)
+                    self._untrack()
+                    with self._lock:
+                        self._stopping.difference_update(i[1] for i in items)
             flags = self.queue.take_flags()
             if flags.get("unload_models") or flags.get("free_memory"):
                 self.engine.free(bool(flags.get("unload_models")), bool(flags.get("free_memory")))
 
     def execute(self, item: Item) -> None:
         from ..graph.errors import InterruptedRun, NodeExecutionError, ValidationFailed
+        from ..graph.executor import Cancel
         from ..graph.planner import PlanError
         from ..graph.timeline import timeline_data, timeline_svg
 
@@ -195,6 +239,8 @@ class Worker:
         ui: dict[str, dict] = {}
         ran: list[str] = []
         plan: dict = {}
+        cancel, stopped = Cancel(), {}
+        progress = ProgressState(pid)
 
         def emit(kind: str, data: dict, keep: bool = False) -> None:
             if keep:
@@ -203,6 +249,8 @@ class Worker:
 
         def events(kind: str, data: dict) -> None:
             data = {**data, "prompt_id": data.get("prompt_id") or pid}
+            if kind == "execution_success" and stopped:  # interrupted: told once the run has ended
+                return
             if kind in ("execution_cached", "execution_success"):
                 ran.extend(data.get("nodes", []) if kind == "execution_cached" else [])
                 emit(kind, {**data, "timestamp": _now_ms()}, keep=True)
@@ -222,10 +270,15 @@ class Worker:
                 if data.get("node") is not None:  # the end is announced once the history is written
                     self.last_node = data["node"]
                     emit(kind, {**data, "display_node": data.get("display_node") or data["node"]})
+                    emit("progress_state", progress.start(data["node"]))
             elif kind == "progress":
                 emit(kind, data)
+                emit("progress_state", progress.update(data["node"], data["value"], data["max"]))
+            elif kind == "cancelled":  # this prompt's /interrupt: its outputs (all of them) are given up
+                stopped.setdefault("node", next((n for n in (data["node"], *data["dropped"]) if n), None))
             elif kind == "executed":
                 ran.append(data["node"])
+                emit("progress_state", progress.finish(data["node"]))
                 if data.get("output") is not None:
                     ui[data["node"]] = data["output"]
                     if len(self.ui_cache) > MAX_HISTORY:
@@ -242,8 +295,15 @@ class Worker:
         self.engine.previews = self._wants_previews(extra)
         result = None
         try:
-            prep = self.engine.prepare(prompt)
-            result = self.engine.run(prep, extra_pnginfo=extra.get("extra_pnginfo"), prompt_id=pid, events=events)
+            prep = self.engine.prepare(prompt, outputs=_outputs(item))
+            self._track(cancel, {pid: prep.outputs})
+            result = self.engine.run(prep, extra_pnginfo=extra.get("extra_pnginfo"), prompt_id=pid, events=events,
+                                     cancel=cancel)
+            if stopped:
+                result, node = None, stopped["node"]
+                emit("execution_interrupted", {"prompt_id": pid, "node_id": node, "node_type": prompt.get(
+                    node, {}).get("class_type") if node else None, "executed": ran, "timestamp": _now_ms()},
+                    keep=True)
         except InterruptedRun as e:
             emit("execution_interrupted", {"prompt_id": pid, "node_id": e.node_id, "node_type": e.class_type,
                                            "executed": ran, "timestamp": _now_ms()}, keep=True)
@@ -265,6 +325,7 @@ class Worker:
                                      "timestamp": _now_ms()}, keep=True)
         ok = result is not None
         entry = _entry(item, ui, ok, messages, result.to_json() if ok else {"plan": plan, "executed": ran})
+        self._untrack(pid)
         self.queue.done(pid, entry)
         self.client_id, self.last_node, self.plan_message = None, None, None
         self.hub.send_threadsafe("status", {"status": self.status()})
@@ -282,6 +343,7 @@ class Worker:
     def _end(self, m: _Member, entry: dict) -> None:
         """A batch's prompt is over: its history entry, the queue's status, then the end of its execution."""
         m.done = True
+        self._untrack(m.pid)
         self.queue.done(m.pid, entry)
         self.hub.send_threadsafe("status", {"status": self.status()})
         self.hub.send_threadsafe("executing", {"node": None, "prompt_id": m.pid}, m.sid)
@@ -289,10 +351,12 @@ class Worker:
     def execute_batch(self, items: list[Item]) -> None:
         """Run several queued prompts as one merged graph, each reported to its client as if it ran alone."""
         from ..graph.errors import InterruptedRun
+        from ..graph.executor import Cancel
         from ..graph.timeline import timeline_data, timeline_svg
 
         try:
-            prep, merged = self.engine.prepare_queue([i[2] for i in items], [i[3].get("extra_pnginfo") for i in items])
+            prep, merged = self.engine.prepare_queue([i[2] for i in items], [i[3].get("extra_pnginfo") for i in items],
+                                                     [_outputs(i) for i in items])
         except Exception as e:  # PlanError, ValidationFailed, ...: alone, each prompt reports its own error
             log.warning("%d prompts not planned together (%s: %s); running them one by one", len(items),
                         type(e).__name__, e)
@@ -308,6 +372,10 @@ class Worker:
         for m in members:
             for orig, new in m.rename.items():
                 owners.setdefault(new, []).append((m, orig))
+        for out in prep.outputs:  # output nodes are never shared: each is one prompt's
+            owners[out][0][0].outputs.append(out)
+        cancel = Cancel()
+        self._track(cancel, {m.pid: tuple(m.outputs) for m in members})
         plan_json = prep.plan.to_json()
         plan_messages: dict[str | None, dict] = {}
         nodes: list[dict] = []  # the batch's node reports so far
@@ -329,6 +397,18 @@ class Worker:
             self._send(m, "execution_success", {"prompt_id": m.pid, "timestamp": _now_ms()}, keep=True)
             self._end(m, _entry(m.item, m.ui, True, m.messages, report(m)))
 
+        def interrupted(m: _Member, node: str | None) -> None:
+            orig = next((o for mm, o in owners.get(node or "", ()) if mm is m), None)
+            m.stopped = True
+            self._send(m, "execution_interrupted", {
+                "prompt_id": m.pid, "node_id": orig, "node_type": m.item[2].get(orig, {}).get("class_type")
+                if orig else None, "executed": list(m.ran), "timestamp": _now_ms()}, keep=True)
+            self._end(m, _entry(m.item, m.ui, False, m.messages,
+                                {"plan": plan_json, "executed": list(m.ran), **about(m)}))
+
+        def running(node: str | None) -> list[tuple[_Member, str]]:  # the prompts still told about `node`
+            return [(m, orig) for m, orig in owners.get(node or "", ()) if not m.done]
+
         def follow(m: _Member, node: str | None) -> None:  # what a page that reconnects now is told
             base = plan_messages.get(m.sid) or plan_messages.get(None)
             self.client_id, self.last_node = m.sid, node
@@ -349,25 +429,36 @@ class Worker:
                 follow(members[0], None)
                 for m in members:
                     cached = [orig for orig, new in m.rename.items() if new in prep.cached]
-                    if cached:
-                        m.ran.extend(cached)
-                        self._send(m, "execution_cached", {"prompt_id": m.pid, "nodes": cached,
-                                                           "timestamp": _now_ms()}, keep=True)
+                    m.ran.extend(cached)
+                    self._send(m, "execution_cached", {"prompt_id": m.pid, "nodes": cached,  # as ComfyUI: empty too
+                                                       "timestamp": _now_ms()}, keep=True)
                     for orig in cached:  # as ComfyUI: a cached output node shows its last output again
                         ui = self.ui_cache.get(prep.signatures.get(m.rename[orig], ""))
                         if ui is not None:
                             m.ui[orig] = ui
                             self._send(m, "executed", {"node": orig, "display_node": orig, "output": ui,
                                                        "prompt_id": m.pid})
-                    if not m.left:
+                    if not m.left and not m.done:
                         finish(m)
             elif kind == "executing" and node is not None:
-                for m, orig in owners.get(node, ()):
+                for m, orig in running(node):
                     follow(m, orig)
                     self._send(m, "executing", {"node": orig, "display_node": orig, "prompt_id": m.pid})
+                    self._send(m, "progress_state", m.progress.start(orig))
             elif kind == "progress":
-                for m, orig in owners.get(node, ()):
+                for m, orig in running(node):
                     self._send(m, "progress", {**data, "node": orig, "prompt_id": m.pid})
+                    self._send(m, "progress_state", m.progress.update(orig, data["value"], data["max"]))
+            elif kind == "cancelled":  # a targeted /interrupt: those prompts stop, the others go on
+                gone = set(data["outputs"])
+                for m in members:
+                    if not m.done and gone & set(m.outputs):
+                        interrupted(m, next((n for n in (data["node"], *data["dropped"])
+                                             if any(mm is m for mm, _ in owners.get(n or "", ()))), None))
+                for m in members:  # nodes left out that a prompt listed but did not need
+                    m.left.difference_update(data["dropped"])
+                    if not m.left and not m.done:
+                        finish(m)
             elif kind == "executed":
                 output = data.get("output")
                 variant = prep.plan.variant_of(node)
@@ -381,13 +472,14 @@ class Worker:
                     folders = self.engine.folders
                     images.extend(str((folders.output if im.get("type") == "output" else folders.temp)
                                       / im.get("subfolder", "") / im["filename"]) for im in output.get("images", []))
-                for m, orig in owners.get(node, ()):
+                for m, orig in running(node):
                     m.ran.append(orig)
+                    self._send(m, "progress_state", m.progress.finish(orig))
                     if output is not None:
                         m.ui[orig] = output
                         self._send(m, "executed", {"node": orig, "display_node": orig, "output": output,
                                                    "prompt_id": m.pid})
-                for m in dict.fromkeys(m for m, _ in owners.get(node, ())):
+                for m in dict.fromkeys(m for m, _ in running(node)):
                     m.left.discard(node)
                     if not m.left and not m.done:
                         finish(m)
@@ -397,7 +489,7 @@ class Worker:
                     self.hub.send_threadsafe("vramgraph.step", {**data, "prompt_id": first.pid, "prompt_ids": pids},
                                              sid)
             elif kind == "preview":
-                wanted = [m for m, _ in owners.get(node, ()) if m.previews]
+                wanted = [m for m, _ in running(node) if m.previews]
                 if wanted:
                     frame = encode_preview(data["image"])
                     for sid in _clients(wanted):
@@ -407,16 +499,11 @@ class Worker:
             self._send(m, "execution_start", {"prompt_id": m.pid, "timestamp": _now_ms()}, keep=True)
         self.engine.previews = any(m.previews for m in members)
         try:
-            result = self.engine.run(prep, prompt_id=batch_id, events=events)
-        except InterruptedRun as e:
+            result = self.engine.run(prep, prompt_id=batch_id, events=events, cancel=cancel)
+        except InterruptedRun as e:  # /interrupt without an id: every prompt not complete stops
             for m in members:
                 if not m.done:
-                    orig = next((o for mm, o in owners.get(e.node_id or "", ()) if mm is m), None)
-                    self._send(m, "execution_interrupted", {
-                        "prompt_id": m.pid, "node_id": orig, "node_type": e.class_type if orig else None,
-                        "executed": list(m.ran), "timestamp": _now_ms()}, keep=True)
-                    self._end(m, _entry(m.item, m.ui, False, m.messages,
-                                        {"plan": plan_json, "executed": list(m.ran), **about(m)}))
+                    interrupted(m, e.node_id)
         except Exception as e:  # a node failed: the prompts not complete run alone, each reporting its own error
             left = [m for m in members if not m.done]
             log.warning("batch %s failed (%s: %s); running its %d incomplete prompt(s) one by one", batch_id,
@@ -429,7 +516,8 @@ class Worker:
                 if not m.done:
                     finish(m)
             for m in members:  # the whole run's report, now that it has ended
-                self.queue.update_history(m.pid, "vramgraph", report(m, result))
+                if not m.stopped:
+                    self.queue.update_history(m.pid, "vramgraph", report(m, result))
         finally:
             self.client_id, self.last_node, self.plan_message = None, None, None
 
@@ -458,7 +546,13 @@ class _Member:
     messages: list[list] = field(default_factory=list)
     ui: dict[str, dict] = field(default_factory=dict)
     ran: list[str] = field(default_factory=list)  # its node ids done, cached or run
+    outputs: list[str] = field(default_factory=list)  # its output nodes' merged ids
+    progress: ProgressState = field(init=False)
     done: bool = False
+    stopped: bool = False  # interrupted
+
+    def __post_init__(self) -> None:
+        self.progress = ProgressState(self.pid)
 
     @property
     def pid(self) -> str:
@@ -467,6 +561,11 @@ class _Member:
     @property
     def sid(self) -> str | None:
         return self.item[3].get("client_id")
+
+
+def _outputs(item: Item) -> list[str] | None:
+    """The output nodes a queue item runs (POST /prompt's partial_execution_targets, or every valid one)."""
+    return [str(o) for o in item[4]] if len(item) > 4 and item[4] else None
 
 
 def _clients(members: list[_Member]) -> dict[str | None, _Member]:

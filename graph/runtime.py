@@ -49,11 +49,13 @@ class Settings:
 
 
 def settings_of(obj: Any) -> Settings:
-    """`obj` as Settings: itself, or the attributes of the same names of any object (argparse's Namespace)."""
+    """`obj` as Settings: itself, or the attributes of the same names of any object (argparse's Namespace), but
+    `host`, which is an address to `serve` (a host RAM budget is only ever given as Settings)."""
     if isinstance(obj, Settings):
         return obj
     return Settings(**{f.name: getattr(obj, f.name, None) if f.name != "checkpoints" else
-                       tuple(getattr(obj, "checkpoints", None) or ()) for f in dataclasses.fields(Settings)})
+                       tuple(getattr(obj, "checkpoints", None) or ()) for f in dataclasses.fields(Settings)
+                       if f.name != "host"})
 
 
 def read_config(s: Settings) -> dict:

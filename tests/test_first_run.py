@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -179,3 +180,15 @@ def test_busy_port_is_one_line(empty: Path, capsys: pytest.CaptureFixture) -> No
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"vramgraph serve: cannot listen on 127.0.0.1:{port}") and "--port" in err[-1]
     assert not any("Traceback" in line for line in err)
+
+
+def test_comfy_registry_metadata() -> None:
+    """[tool.comfy] as the Comfy registry reads it; the node id follows its naming rules."""
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    comfy = data["tool"]["comfy"]
+    assert set(comfy) >= {"PublisherId", "DisplayName", "Icon"} and comfy["PublisherId"] and comfy["DisplayName"]
+    name = data["project"]["name"]
+    assert re.fullmatch(r"[A-Za-z][A-Za-z0-9]*([-_.][A-Za-z0-9]+)*", name) and "comfyui" not in name.lower()
+    assert len(name) < 100 and re.fullmatch(r"\d+\.\d+\.\d+", data["project"]["version"])

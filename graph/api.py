@@ -195,8 +195,9 @@ class Pipeline:
             if path.is_dir():  # a path: its parent is one more checkpoint root, for this pipeline only
                 s = s.replace(checkpoints=(*s.checkpoints, path.resolve().parent))
                 self.checkpoint = path.resolve().name
-            elif "/" in str(checkpoint) and not path.exists():
-                raise ValueError(f"checkpoint {checkpoint}: no such folder")
+            elif path.is_absolute() or str(checkpoint).startswith((".", "~")) or path.exists():
+                raise ValueError(f"checkpoint {checkpoint}: no such folder (give a model folder, or the name of "
+                                 "one in the checkpoints list of the models folders)")
             else:
                 self.checkpoint = str(checkpoint)
         self.settings = s

@@ -184,7 +184,7 @@ def test_busy_port_is_one_line(empty: Path, capsys: pytest.CaptureFixture) -> No
 
 def test_comfy_registry_metadata() -> None:
     """[tool.comfy] as the Comfy registry reads it; the node id follows its naming rules."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     comfy = data["tool"]["comfy"]

@@ -192,3 +192,16 @@ def test_comfy_registry_metadata() -> None:
     name = data["project"]["name"]
     assert re.fullmatch(r"[A-Za-z][A-Za-z0-9]*([-_.][A-Za-z0-9]+)*", name) and "comfyui" not in name.lower()
     assert len(name) < 100 and re.fullmatch(r"\d+\.\d+\.\d+", data["project"]["version"])
+
+
+def test_a_file_that_is_no_checkpoint_is_named_not_quoted(empty: Path, capsys: pytest.CaptureFixture) -> None:
+    """The reader's error for a non-checkpoint file names the file and says what is wrong, never its bytes."""
+    import struct
+
+    text = b"root:x:0:0:root:/root:/bin/bash\n"
+    fake = empty / "passwd.safetensors"
+    fake.write_bytes(text)
+    assert main(["inspect", str(fake)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(fake) in err and "not a safetensors file" in err
+    assert "root" not in err.replace(str(fake), "") and str(struct.unpack("<Q", text[:8])[0]) not in err

@@ -6,6 +6,7 @@ This file is also what ComfyUI imports when the repository folder sits in `Comfy
 - `NODE_CLASS_MAPPINGS` / `NODE_DISPLAY_NAME_MAPPINGS`: our `VG` nodes only, one category
   ("vramgraph"), display names ending in "(vramgraph)". They are built on first access (PEP 562), so
   `import vramgraph` stays light: no torch until a node class is asked for.
+- `Pipeline`: the Python API (graph/api.py), also built on first access: `from vramgraph import Pipeline`.
 - `WEB_DIRECTORY`: ComfyUI loads every `.js` file under it as a front-end extension; the only one is
   `vramgraph_panel.js` (the plan of the queued prompt). The standalone page's scripts are `.mjs`.
 - Inside ComfyUI (its `server` and `comfy.model_management` modules are loaded), the route
@@ -21,10 +22,15 @@ from typing import Any
 
 __version__ = "0.1.0"
 WEB_DIRECTORY = "./web"
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY", "Pipeline"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Pipeline":  # the Python API (graph/api.py); torch is imported when a pipeline first runs
+        from .graph.api import Pipeline
+
+        globals()["Pipeline"] = Pipeline
+        return Pipeline
     if name in ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"):
         from .nodes import VG_DISPLAY_NAMES, VG_NODES
 

@@ -8,32 +8,23 @@ noise (the weights are random); what the demo shows is that the install, the loa
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
-from ..models.tiny import SHIPPED_NAMES, write_tiny_models
+from ..graph.api import Pipeline, load, resize
 
 
 def run_demo(out: Path, size: int = 256) -> tuple[list[Path], float]:
     """Tiny models under the shipped workflows' file names in `out/models`, then the shipped text-to-image
-    workflow and an edit of its picture through the graph engine; returns the PNGs and the seconds taken."""
-    import json
-    import shutil
-
-    from ..graph.executor import Engine
-    from ..nodes.files import Folders
-
-    workflows = Path(__file__).parent.parent / "workflows"
-    folders = Folders(models=(out / "models",), input=out / "input", output=out / "output", temp=out / "temp")
-    write_tiny_models(out / "models", names=SHIPPED_NAMES)
-    engine = Engine(folders)
+    workflow and an edit of its picture through the Python API; returns the PNGs and the seconds taken."""
+    pipe = Pipeline.demo(out)
     t0 = time.perf_counter()
-    pngs = []
+    pngs: list[Path] = []
     for name in ("text_to_image", "edit"):
-        prompt = json.loads((workflows / f"{name}.json").read_text())
-        prompt["5"]["inputs"].update(width=size, height=size)
-        if name == "edit":
-            folders.input.mkdir(parents=True, exist_ok=True)
-            shutil.copy(pngs[0], folders.input / "reference.png")
-        pngs += engine.run(prompt).images
+        wf = load(f"{name}.json")
+        resize(wf.prompt, size, size)
+        if name == "edit":  # the edit's reference is the picture just made
+            shutil.copy(pngs[0], pipe.folders.input / "reference.png")
+        pngs += pipe.run(wf.prompt).paths
     return pngs, time.perf_counter() - t0

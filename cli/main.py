@@ -1,15 +1,18 @@
-"""Command line: run, validate and plan saved workflows; one-shot generation; inspect; the demo.
+"""Command line: run, validate and plan saved workflows; one-shot generation; inspect; the demo; the server.
 
     vramgraph run WORKFLOW.json [--models DIR] [--set NODE.INPUT=VALUE ...] [-o DIR]
     vramgraph validate WORKFLOW.json
     vramgraph plan WORKFLOW.json [--vram 12GiB] [--size 1536x1536] [--json]
     vramgraph generate -p PROMPT [-W 1024 -H 1024 -S SEED --steps N --guidance G -i REF ...] [-o FILE]
-    vramgraph inspect MODEL...      vramgraph demo
+    vramgraph inspect MODEL...      vramgraph demo      vramgraph session
     vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB]
 
-Models resolve under a ComfyUI-style models folder (diffusion_models/ or unet/, text_encoders/ or
-clip/, vae/) given by --models, $VRAMGRAPH_MODELS, or "models" in a config file (--config, else
-./vramgraph.json, else ~/.config/vramgraph/config.json).
+Every command is a thin layer over the Python API (graph/api.py). Models resolve under a ComfyUI-style
+models folder (diffusion_models/ or unet/, text_encoders/ or clip/, vae/, checkpoints/) given by --models,
+$VRAMGRAPH_MODELS, or "models" in a config file (--config, else ./vramgraph.json, else
+~/.config/vramgraph/config.json); --demo uses tiny random-weight models instead. Errors are one line
+on stderr (--json: ComfyUI's error JSON); exit codes: 1 invalid workflow or failed node, 2 bad option
+or file, 3 does not fit the budget, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -23,26 +26,33 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..graph.runtime import engine_from, folders_from, planning_from
+from .. import __version__
+from ..graph.runtime import DEMO_FOLDER, Settings, folders_from, no_models_hint, prepare_demo
 
 log = logging.getLogger("vramgraph")
-WORKFLOWS = Path(__file__).parent.parent / "workflows"
+GENERATE_OPTIONS = {"width": "--width", "height": "--height", "steps": "--steps", "guidance": "--guidance",
+                    "seed": "--seed", "images": "--image"}
 
 
-def _engine_args(p: argparse.ArgumentParser, outputs: bool = True) -> None:
+def _engine_args(p: argparse.ArgumentParser, outputs: bool = True, json_flag: bool = True) -> None:
     p.add_argument("--models", action="append", default=None, help="models folder (repeatable)")
+    p.add_argument("--demo", action="store_true",
+                   help=f"tiny random-weight models and input images (written to ./{DEMO_FOLDER}) instead of --models")
     p.add_argument("--config", default=None, help="JSON config with models/input/output/vram/reserve")
     p.add_argument("--input", default=None, help="folder of input images (default ./input)")
     if outputs:
         p.add_argument("-o", "--output", default=None, help="output folder (default ./output)")
     p.add_argument("--vram", default=None, help="GPU budget as a card size, e.g. 12GiB (default: free memory)")
-    p.add_argument("--reserve", default=None, help="memory kept free below the budget (default 384MiB)")
+    p.add_argument("--reserve", default=None, help="memory kept free below the budget, e.g. 256MiB")
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on CPU")
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="errors as ComfyUI's full error JSON on stderr")
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vramgraph", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", action="version", version=f"vramgraph {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run a saved workflow (ComfyUI API or UI format)")
     r.add_argument("workflow", nargs="+", help="one workflow, or several: they are planned as one queue")
@@ -50,47 +60,46 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE",
                    help="override an input; NODE is the id or the title (repeatable)")
     r.add_argument("--report", default=None, help="write the run report (plan, per-node peaks) as JSON")
-    r.add_argument("--demo", action="store_true",
-                   help="use tiny random-weight models (written to ./vramgraph-demo/models) instead of --models")
     _engine_args(r)
-    v = sub.add_parser("validate", help="check a workflow; prints ComfyUI's error JSON and exits 1 if invalid")
+    v = sub.add_parser("validate", help="check a workflow: exit 0, or one line per error and exit 1")
     v.add_argument("workflow")
     v.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE")
-    _engine_args(v, outputs=False)
+    _engine_args(v, outputs=False, json_flag=False)
+    v.add_argument("--json", action="store_true", help="print ComfyUI's /prompt answer as JSON on stdout")
     p = sub.add_parser("plan", help="print the memory plan (no weights needed) and write its timeline SVG")
     p.add_argument("workflow")
     p.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE")
     p.add_argument("--size", default=None, help="WxH for every latent/scheduler size in the workflow")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--json", action="store_true", help="print the plan (and errors) as JSON")
     p.add_argument("--svg", default="plan.svg", help="timeline picture (default plan.svg; '' for none)")
-    p.add_argument("--host", default=None, help="host RAM budget (default: available memory)")
-    _engine_args(p, outputs=False)
+    p.add_argument("--host", default=None, help="host RAM budget, e.g. 64GiB (default: available memory)")
+    _engine_args(p, outputs=False, json_flag=False)
     g = sub.add_parser("generate", help="one-shot text to image or edit with the shipped workflows")
     g.add_argument("-p", "--prompt", action="append", default=[],
                    help="the prompt; repeat it to queue several (planned together: one load per model)")
     g.add_argument("--prompts", default=None, metavar="FILE", help="a file of prompts, one per line, queued")
     g.add_argument("--preview", default=None, metavar="DIR", help="write a preview PNG of every sampling step")
     g.add_argument("-n", "--negative", default=None, help="negative prompt (turns on guidance 4 if not given)")
-    g.add_argument("-W", "--width", type=int, default=1024)
-    g.add_argument("-H", "--height", type=int, default=1024)
-    g.add_argument("-S", "--seed", type=int, default=0)
+    g.add_argument("-W", "--width", type=int, default=1024, help="a multiple of 16 (default 1024)")
+    g.add_argument("-H", "--height", type=int, default=1024, help="a multiple of 16 (default 1024)")
+    g.add_argument("-S", "--seed", type=int, default=None, help="default: a random seed (printed, and in the PNG)")
     g.add_argument("--steps", type=int, default=None, help="default 4 (distilled) or 50 (with --negative)")
-    g.add_argument("--guidance", type=float, default=None)
+    g.add_argument("--guidance", type=float, default=None, help="default 1 (distilled) or 4 (with --negative)")
     g.add_argument("-i", "--image", action="append", default=[], help="reference image for editing (repeatable)")
     g.add_argument("-o", "--out", default="vramgraph.png", help="PNG path (-1, -2, ... added for several prompts)")
+    g.add_argument("--force", action="store_true", help="overwrite existing PNGs")
     g.add_argument("--checkpoint", default=None,
-                   help="an HF model folder or a folder of the three files, instead of --models file names")
+                   help="a whole-model folder (HF, or the three files): a path, or a name in <models>/checkpoints")
     g.add_argument("--transformer", default="flux-2-klein-4b.safetensors")
     g.add_argument("--text-encoder", default="qwen_3_4b.safetensors")
     g.add_argument("--vae", default="flux2-vae.safetensors")
     _engine_args(g, outputs=False)
     i = sub.add_parser("inspect", help="recognise checkpoints and print their spec (reads headers only)")
     i.add_argument("models", nargs="+")
+    i.add_argument("--json", action="store_true", help="errors as JSON")
     s = sub.add_parser("serve", help="a local server with ComfyUI's API and a page that shows the memory plan")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8188, help="port (default 8188, ComfyUI's)")
-    s.add_argument("--demo", action="store_true",
-                   help="serve tiny random-weight models (written to ./vramgraph-demo/models) instead of --models")
+    s.add_argument("--port", type=int, default=8188, help="port (default 8188, ComfyUI's; 0 for any free one)")
     s.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
                    help="a plugin whose setup(app, engine) adds routes (repeatable; bench/peer_routes.py)")
     s.add_argument("--previews", action="store_true",
@@ -101,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     ss.add_argument("-o", "--out-dir", default="output", help="where images are saved (!save DIR changes it)")
     _engine_args(ss, outputs=False)
     d = sub.add_parser("demo", help="tiny random-weight models + the shipped workflows, end to end (any machine)")
-    d.add_argument("--out", default="vramgraph-demo", help="folder for the tiny models, inputs and PNGs")
+    d.add_argument("--out", default=str(DEMO_FOLDER), help="folder for the tiny models, inputs and PNGs")
+    d.add_argument("--json", action="store_true", help="errors as JSON")
     return ap
 
 
@@ -114,40 +124,46 @@ def _value(text: str) -> Any:
         return text
 
 
-def apply_sets(prompt: dict, sets: list[str]) -> dict:
-    """--set NODE.INPUT=VALUE: NODE is an id or a node title; VALUE is JSON (numbers, true) or a string."""
-    for item in sets:
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """--set NODE.INPUT=VALUE ...: VALUE is JSON (numbers, true) or else a string."""
+    sets: dict[str, Any] = {}
+    for item in items:
         target, sep, value = item.partition("=")
-        node, dot, name = target.rpartition(".")
-        if not sep or not dot:
+        if not sep or "." not in target:
             raise ValueError(f"--set {item}: write NODE.INPUT=VALUE, e.g. --set 6.seed=7")
-        ids = [node] if node in prompt else [i for i, n in prompt.items()
-                                            if n.get("_meta", {}).get("title") == node]
-        if len(ids) != 1:
-            raise ValueError(f"--set {item}: no node with id or title '{node}'" if not ids else
-                             f"--set {item}: several nodes are titled '{node}' ({', '.join(ids)}); use the id")
-        prompt[ids[0]].setdefault("inputs", {})[name] = _value(value)
-    return prompt
+        sets[target] = _value(value)
+    return sets
 
 
-def _load(args: argparse.Namespace, workflow: str | None = None) -> Any:
-    from ..graph.workflow import load_workflow
+def _settings(args: argparse.Namespace) -> Settings:
+    """The command's Settings; with --demo, the tiny models and the demo input folder (written on first use)."""
+    models, inputs = getattr(args, "models", None), getattr(args, "input", None)
+    if getattr(args, "demo", False):
+        if models:
+            raise ValueError("--demo uses its own tiny models: leave out --models")
+        demo_models, demo_inputs = prepare_demo(DEMO_FOLDER)
+        models, inputs = [str(demo_models)], inputs or str(demo_inputs)
+        args.models, args.input = models, inputs  # the server reads them from args
+        log.info("demo: tiny random-weight models in %s, so the pictures are noise", demo_models)
+    return Settings(models=models, config=getattr(args, "config", None), input=inputs,
+                    output=getattr(args, "output", None), vram=getattr(args, "vram", None),
+                    reserve=getattr(args, "reserve", None), device=getattr(args, "device", None),
+                    dtype=getattr(args, "dtype", None))
 
-    path = Path(workflow or (args.workflow[0] if isinstance(args.workflow, list) else args.workflow))
-    if not path.exists() and (WORKFLOWS / path.name).exists():
-        path = WORKFLOWS / path.name
-    wf = load_workflow(path)
-    apply_sets(wf.prompt, args.set)
-    return wf
+
+def _pipeline(args: argparse.Namespace, **kw: Any) -> Any:
+    from ..graph.api import Pipeline
+
+    return Pipeline(settings=_settings(args), **kw)
 
 
 # ------------------------------------------------------------------------------------------ commands
 
 class _Bars:
-    """tqdm progress for the node that is running."""
+    """tqdm progress for the node that is running; step previews written to a folder."""
 
-    def __init__(self, prompt: dict, preview_dir: str | None = None) -> None:
-        self.prompt, self.bar = prompt, None
+    def __init__(self, preview_dir: str | None = None) -> None:
+        self.bar: Any = None
         self.preview_dir = Path(preview_dir) if preview_dir else None
 
     def __call__(self, kind: str, data: dict) -> None:
@@ -155,8 +171,7 @@ class _Bars:
 
         if kind == "progress":
             if self.bar is None:
-                node = data["node"]
-                self.bar = tqdm(total=data["max"], desc=f"{node} {self.prompt[node]['class_type']}", leave=False)
+                self.bar = tqdm(total=data["max"], desc=f"node {data['node']}", leave=False)
             self.bar.n = data["value"]
             self.bar.refresh()
         elif kind in ("executed", "execution_success") and self.bar is not None:
@@ -170,63 +185,58 @@ class _Bars:
             data["image"].save(self.preview_dir / name)
 
 
-def run_workflows(args: argparse.Namespace, wfs: list, engine: Any = None) -> tuple[Any, list[list[Path]]]:
-    """Run one workflow, or several planned as one queue; returns the run and each workflow's images."""
-    engine = engine or engine_from(args)
-    preview = getattr(args, "preview", None)
-    engine.previews = bool(preview)
-    extras = [{"workflow": wf.ui} if wf.ui is not None else None for wf in wfs]
-    if len(wfs) == 1:
-        result = engine.run(wfs[0].prompt, extra_pnginfo=extras[0], events=_Bars(wfs[0].prompt, preview))
-        images = [result.images]
-    else:
-        from ..graph.queue import merge
-
-        bars = _Bars(merge([wf.prompt for wf in wfs]).prompt, preview)
-        result, images = engine.run_queue([wf.prompt for wf in wfs], extra_pnginfo=extras, events=bars)
+def _log_run(result: Any) -> None:
     log.info("%d nodes ran, %d cached; %d loads, %d unloads; %.2f s", len(result.nodes), len(result.cached),
              result.loads, result.unloads, result.seconds)
-    return result, images
-
-
-def run_workflow(args: argparse.Namespace, wf: Any, engine: Any = None) -> Any:
-    return run_workflows(args, [wf], engine)[0]
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.demo:
-        from ..models.tiny import SHIPPED_NAMES, write_tiny_models
+    pipe = _pipeline(args)
+    pipe.previews = bool(args.preview)
+    sets = parse_sets(args.set)
+    from ..graph.api import load
 
-        models = Path("vramgraph-demo") / "models"
-        if not (models / "vae" / SHIPPED_NAMES["vae"]).exists():
-            write_tiny_models(models, names=SHIPPED_NAMES)
-        args.models = [str(models)]
-        log.info("demo: tiny random-weight models in %s, so the picture is noise", models)
-    result, images = run_workflows(args, [_load(args, w) for w in args.workflow])
-    for p in (p for group in images for p in group):
-        print(p)
+    for w in args.workflow:  # a bad --set is the user's, before anything loads
+        load(w, sets, prefix="--set ")
+    outs = pipe.run([w for w in args.workflow], set=sets, events=_Bars(args.preview))
+    _log_run(outs[0].result)
+    for out in outs:
+        for p in out.paths:
+            print(p)
     if args.report:
-        Path(args.report).write_text(json.dumps(result.to_json(), indent=1))
+        Path(args.report).write_text(json.dumps(outs[0].result.to_json(), indent=1))
     return 0
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from ..graph.api import load
     from ..graph.errors import WorkflowError
     from ..graph.validate import validate
     from ..nodes import ENGINE_NODES
 
+    folders = folders_from(_settings(args))
     try:
-        prompt = _load(args).prompt
+        prompt = load(args.workflow, parse_sets(args.set), prefix="--set ").prompt
     except WorkflowError as e:  # an API prompt with a broken node is the validator's to explain, as ComfyUI does
         prompt = _api_like(Path(args.workflow))
         if prompt is None:
-            print(json.dumps({"error": e.to_dict(), "node_errors": {}}, indent=1))
-            return 1
-    check = validate(prompt, ENGINE_NODES, folders_from(args))
+            if args.json:
+                print(json.dumps({"error": e.to_dict(), "node_errors": {}}, indent=1))
+                return 1
+            raise
+    check = validate(prompt, ENGINE_NODES, folders)
     if check.ok:
-        print(json.dumps({"ok": True, "outputs": list(check.outputs)}))
+        print(json.dumps({"ok": True, "outputs": list(check.outputs)}) if args.json else
+              f"{args.workflow}: valid (output nodes {', '.join(check.outputs)})")
         return 0
-    print(json.dumps(check.response(), indent=1))
+    if args.json:
+        print(json.dumps(check.response(), indent=1))
+        return 1
+    for line in _validation_lines(check.response()):
+        print(f"vramgraph validate: {line}", file=sys.stderr)
+    hint = no_models_hint(folders)
+    if hint:
+        print(f"vramgraph validate: {hint}", file=sys.stderr)
     return 1
 
 
@@ -242,37 +252,15 @@ def _api_like(path: Path) -> dict | None:
     return data if any(isinstance(n, dict) and "class_type" in n for n in data.values()) else None
 
 
-def _resize(prompt: dict, size: str) -> None:
-    w, _, h = size.lower().partition("x")
-    if not (w.isdigit() and h.isdigit()):
-        raise ValueError(f"--size {size}: write WxH, e.g. 1536x1536")
-    for node in prompt.values():
-        inputs = node.get("inputs", {})
-        if node.get("class_type") in ("EmptyFlux2LatentImage", "VGEmptyLatent", "Flux2Scheduler"):
-            for name, v in (("width", int(w)), ("height", int(h))):
-                if name in inputs and not isinstance(inputs[name], list):
-                    inputs[name] = v
-        title = str(node.get("_meta", {}).get("title", "")).lower()  # ComfyUI's templates title them "Width"
-        if node.get("class_type") in ("PrimitiveInt",) and title in ("width", "height"):
-            inputs["value"] = int(w) if title == "width" else int(h)
-
-
 def _plan(args: argparse.Namespace) -> int:
     from ..graph.timeline import timeline_svg
 
-    wf = _load(args)
-    if args.size:
-        _resize(wf.prompt, args.size)
-    if args.dtype is None:  # a plan is for the GPU, where the models run in bf16 (fp32 is the CPU's run default)
-        args.dtype = "bf16"
-    planning = planning_from(args, host=args.host)
-    prep = planning.prepare(wf.prompt)
-    if args.json:
-        print(json.dumps(prep.plan.to_json(), indent=1))
-    else:
-        print(prep.plan.table())
+    pipe = _pipeline(args)
+    pipe.settings = pipe.settings.replace(host=args.host)
+    prep, budget = pipe.planned(args.workflow, size=args.size, set=parse_sets(args.set))
+    print(json.dumps(prep.plan.to_json(), indent=1) if args.json else prep.plan.table())
     if args.svg:
-        svg = timeline_svg(prep.plan, Path(args.workflow).name, card=planning.budget.card, prompt=prep.prompt)
+        svg = timeline_svg(prep.plan, Path(args.workflow).name, card=budget.card, prompt=prep.prompt)
         Path(args.svg).write_text(svg, encoding="utf-8")
         log.info("timeline: %s", args.svg)
     return 0
@@ -291,48 +279,40 @@ def _generate(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from PIL import Image
-
-    from ..graph.prompts import build_prompt
-    from ..graph.workflow import Workflow
+    from ..graph.api import check_generate
 
     texts = _prompts(args)
-    names = {"checkpoint": args.checkpoint} if args.checkpoint else \
-        {"transformer": args.transformer, "text_encoder": args.text_encoder, "vae": args.vae}
+    check_generate(width=args.width, height=args.height, steps=args.steps, guidance=args.guidance, seed=args.seed,
+                   spell=GENERATE_OPTIONS)
+    out = Path(args.out)
+    targets = [out] if len(texts) == 1 else [out.with_name(f"{out.stem}-{i + 1}{out.suffix}")
+                                             for i in range(len(texts))]
+    existing = [str(t) for t in targets if t.exists()]
+    if existing and not args.force:
+        raise ValueError(f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; "
+                         "pass --force to overwrite, or choose another -o")
     with tempfile.TemporaryDirectory() as tmp:
-        args.output = tmp
-        refs = []
-        if args.image:  # the references are read through the input folder, as a workflow would
-            args.input = tmp
-            for i, path in enumerate(args.image):
-                src = Path(path)
-                try:
-                    with Image.open(src) as im:
-                        im.verify()
-                except OSError as e:
-                    raise ValueError(f"--image {path}: not a readable image ({e})") from e
-                shutil.copy(src, Path(tmp) / f"ref{i}{src.suffix}")
-                refs.append(f"ref{i}{src.suffix}")
-        wfs = [Workflow(build_prompt(t, width=args.width, height=args.height, seed=args.seed + i, steps=args.steps,
-                                     guidance=args.guidance, negative=args.negative, references=tuple(refs),
-                                     **names), None, "generate")
-               for i, t in enumerate(texts)]
-        _, images = run_workflows(args, wfs)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        targets = [out] if len(texts) == 1 else [out.with_name(f"{out.stem}-{i + 1}{out.suffix}")
-                                                 for i in range(len(texts))]
-        for group, target in zip(images, targets, strict=True):
-            shutil.move(str(group[0]), target)
+        args.output = tmp  # the run writes here; the PNGs are then moved to -o
+        if args.image:
+            args.input = tmp  # references reach the workflow through an input folder of this run's own
+        pipe = _pipeline(args, checkpoint=args.checkpoint, transformer=args.transformer,
+                         text_encoder=args.text_encoder, vae=args.vae)
+        pipe.previews = bool(args.preview)
+        made = pipe.generate(texts, seed=args.seed, width=args.width, height=args.height, steps=args.steps,
+                             guidance=args.guidance, negative=args.negative, images=args.image,
+                             events=_Bars(args.preview), spell=GENERATE_OPTIONS)
+        for g, target in zip(made, targets, strict=True):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(g.paths[0]), target)
             print(target)
+            log.info("seed %d: %s", g.seed, target)
     return 0
 
 
 def _session(args: argparse.Namespace) -> int:
     from .session import Session, repl
 
-    names = {"checkpoint": args.checkpoint} if getattr(args, "checkpoint", None) else {}
-    return repl(Session(engine_from(args), save_dir=Path(args.out_dir), names=names))
+    return repl(Session(_pipeline(args, checkpoint=args.checkpoint), save_dir=Path(args.out_dir)))
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -360,8 +340,68 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _outside(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command whose handler lives outside cli/ (serve, from server/): --demo and the settings are applied to
+    its arguments first, as for the commands here."""
+    def run(args: argparse.Namespace) -> int:
+        _settings(args)  # --demo: the tiny models and inputs, into args
+        return handler(args)
+
+    return run
+
+
 COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _generate, "inspect": _inspect,
             "demo": _demo, "session": _session}
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _validation_lines(response: dict) -> list[str]:
+    """ComfyUI's /prompt error answer as one line per node error (or the top error when no node has one)."""
+    lines = []
+    for node, entry in response.get("node_errors", {}).items():
+        for err in entry.get("errors", []):
+            lines.append(f"node {node} ({entry.get('class_type', '?')}): {_one_line(err.get('details') or '')}"
+                         f" [{err.get('type')}]" if err.get("details") else
+                         f"node {node} ({entry.get('class_type', '?')}): {_one_line(err.get('message', ''))}")
+    if not lines:
+        e = response.get("error", {})
+        lines.append(_one_line(f"{e.get('message', 'invalid prompt')}: {e.get('details')}" if e.get("details")
+                               else e.get("message", "invalid prompt")))
+    return lines
+
+
+def _say_error(args: argparse.Namespace, e: BaseException, body: dict | None) -> None:
+    """One line on stderr, or ComfyUI's JSON with --json."""
+    from ..graph.errors import NodeExecutionError, ValidationFailed
+
+    if getattr(args, "json", False) and body is not None:
+        print(json.dumps(body, indent=1, default=str), file=sys.stderr)
+        return
+    if isinstance(e, ValidationFailed):
+        lines = _validation_lines(e.response)
+        line = lines[0] + (f" (and {len(lines) - 1} more: vramgraph validate lists them)" if len(lines) > 1 else "")
+        try:
+            hint = no_models_hint(folders_from(_settings_quiet(args)))
+        except ValueError:
+            hint = None
+        line += f"; {hint}" if hint else ""
+    elif isinstance(e, NodeExecutionError):
+        line = f"node {e.node_id} ({e.class_type}) failed: {e.exception_message}"
+    elif hasattr(e, "to_dict") and isinstance(e.to_dict(), dict) and "message" in e.to_dict():
+        d = e.to_dict()
+        line = f"{d['message']}: {d['details']}" if d.get("details") else d["message"]
+    else:
+        line = str(e)
+    print(f"vramgraph {args.command}: {_one_line(line)}", file=sys.stderr)
+
+
+def _settings_quiet(args: argparse.Namespace) -> Settings:
+    return Settings(models=getattr(args, "models", None), config=getattr(args, "config", None))
 
 
 def main(argv: list[str] | None = None, commands: Mapping[str, Callable[[argparse.Namespace], int]] | None = None
@@ -374,25 +414,28 @@ def main(argv: list[str] | None = None, commands: Mapping[str, Callable[[argpars
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv or ["session"])
-    from ..graph.errors import VramgraphError
+    from ..graph.errors import InterruptedRun, VramgraphError
     from ..graph.planner import PlanError
     from ..models.headers import CheckpointError
 
     try:
-        handlers = {**COMMANDS, **(commands or {})}
+        handlers = {**COMMANDS, **{name: _outside(h) for name, h in (commands or {}).items()}}
         if args.command not in handlers:
             raise ValueError(f"'{args.command}' is served by the vramgraph entry point: run `vramgraph "
                              f"{args.command}` or `python -m vramgraph {args.command}`")
         return handlers[args.command](args)
+    except (KeyboardInterrupt, InterruptedRun):
+        print("interrupted", file=sys.stderr)
+        return 130
     except PlanError as e:
-        print(json.dumps({"error": e.to_dict()}, indent=1), file=sys.stderr)
+        _say_error(args, e, {"error": e.to_dict()})
         return 3
     except VramgraphError as e:
-        body = getattr(e, "response", None) or {"error": e.to_dict()}
-        print(json.dumps(body, indent=1, default=str), file=sys.stderr)
+        _say_error(args, e, getattr(e, "response", None) or {"error": e.to_dict()})
         return 1
     except (CheckpointError, ValueError, OSError) as e:
-        print(f"vramgraph {args.command}: {e}", file=sys.stderr)
+        _say_error(args, e, {"error": {"type": type(e).__name__, "message": str(e), "details": "",
+                                       "extra_info": {}}})
         return 2
 
 

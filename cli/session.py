@@ -3,10 +3,10 @@
     vramgraph session [--models DIR] [--vram 12GiB]      (or plain `vramgraph`)
 
 A line is a prompt, optionally starting with a size (`768x512 a red fox`). Commands: !seed N,
-!size WxH, !steps N, !guidance G, !ref PATH (add a reference image; `!ref` alone clears them),
-!save DIR, !help, !quit. Each prompt is planned with the residency the previous one left, so a
-model that stayed on the GPU is not loaded again; after each image the session says what was loaded
-or freed and how long it took. The seed goes up by one after every image.
+!size WxH, !steps N (`!steps` alone: the default), !guidance G, !ref PATH (add a reference image;
+`!ref` alone clears them), !save DIR, !help, !quit. Each prompt is planned with the residency the
+previous one left, so a model that stayed on the GPU is not loaded again; after each image the session
+says what was loaded or freed and how long it took. The seed goes up by one after every image.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..graph.prompts import build_prompt
+from ..graph.api import check_generate
 from ..nodes.output import next_counter
 
 HELP = __doc__.split("\n\n", 2)[2]
@@ -35,9 +35,9 @@ def describe_moves(events: list) -> str:
 
 @dataclass
 class Session:
-    """State of an interactive session; `handle(line)` returns the messages to show."""
+    """State of an interactive session over a Pipeline (graph/api.py); `handle(line, say)` shows its messages."""
 
-    engine: Any
+    pipe: Any
     width: int = 1024
     height: int = 1024
     seed: int = 0
@@ -45,7 +45,6 @@ class Session:
     guidance: float | None = None
     save_dir: Path = field(default_factory=lambda: Path("output"))
     references: list[Path] = field(default_factory=list)
-    names: dict = field(default_factory=dict)  # transformer / text_encoder / vae file names, or checkpoint
     done: bool = False
 
     def handle(self, line: str, say: Callable[[str], None]) -> None:
@@ -70,16 +69,30 @@ class Session:
         elif cmd == "help":
             say(HELP)
         elif cmd == "seed":
+            check_generate(width=self.width, height=self.height, steps=None, guidance=None, seed=_int(arg, "!seed"),
+                           spell={"seed": "!seed"})
             self.seed = int(arg)
         elif cmd == "steps":
-            self.steps = int(arg) if int(arg) > 0 else None
+            steps = _int(arg, "!steps") if arg else None
+            check_generate(width=self.width, height=self.height, steps=steps, guidance=None, seed=None,
+                           spell={"steps": "!steps"})
+            self.steps = steps
         elif cmd == "guidance":
-            self.guidance = float(arg)
+            try:
+                guidance = float(arg)
+            except ValueError:
+                raise ValueError(f"!guidance {arg}: write a number, e.g. !guidance 4") from None
+            check_generate(width=self.width, height=self.height, steps=None, guidance=guidance, seed=None,
+                           spell={"guidance": "!guidance"})
+            self.guidance = guidance
         elif cmd == "size":
             m = SIZE.match(arg)
             if not m or m.end() != len(arg):
                 raise ValueError(f"!size {arg}: write WxH, e.g. !size 768x512")
-            self.width, self.height = int(m.group(1)), int(m.group(2))
+            width, height = int(m.group(1)), int(m.group(2))
+            check_generate(width=width, height=height, steps=None, guidance=None, seed=None,
+                           spell={"width": "!size width", "height": "!size height"})
+            self.width, self.height = width, height
         elif cmd == "ref":
             if not arg:
                 self.references.clear()
@@ -99,29 +112,30 @@ class Session:
                 f"{len(self.references)} reference(s), saving to {self.save_dir}")
 
     def _generate(self, text: str, width: int, height: int, say: Callable[[str], None]) -> None:
-        folders = self.engine.folders
-        refs = []
-        for i, path in enumerate(self.references):  # references reach the workflow through the input folder
-            folders.input.mkdir(parents=True, exist_ok=True)
-            name = f"session_ref{i}{path.suffix}"
-            shutil.copy(path, folders.input / name)
-            refs.append(name)
-        prompt = build_prompt(text, width=width, height=height, seed=self.seed, steps=self.steps,
-                              guidance=self.guidance, references=tuple(refs), **self.names)
-        n_events = len(self.engine.ledger.events)
+        ledger = self.pipe.engine.ledger
+        n_events = len(ledger.events)
         t0 = time.perf_counter()
-        result = self.engine.run(prompt)
+        made = self.pipe.generate(text, seed=self.seed, width=width, height=height, steps=self.steps,
+                                  guidance=self.guidance, images=list(self.references),
+                                  spell={"width": "size width", "height": "size height"})
         seconds = time.perf_counter() - t0
         self.save_dir.mkdir(parents=True, exist_ok=True)
         saved = []
-        for p in result.images:
+        for p in made.paths:
             stem = p.name.rsplit("_", 2)[0]  # ComfyUI's {prefix}_{counter:05}_.png
             target = self.save_dir / f"{stem}_{next_counter(self.save_dir, stem):05}_.png"
             shutil.move(str(p), target)
             saved.append(target)
-        say(f"{', '.join(map(str, saved))}  seed {self.seed}, {seconds:.2f} s; "
-            f"{describe_moves(self.engine.ledger.events[n_events:])}")
+        say(f"{', '.join(map(str, saved))}  seed {made.seed}, {seconds:.2f} s; "
+            f"{describe_moves(ledger.events[n_events:])}")
         self.seed += 1
+
+
+def _int(text: str, option: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{option} {text}: write a whole number") from None
 
 
 def repl(session: Session, read: Callable[[str], str] = input, say: Callable[[str], None] = print) -> int:
@@ -130,6 +144,7 @@ def repl(session: Session, read: Callable[[str], str] = input, say: Callable[[st
         try:
             line = read("> ")
         except (EOFError, KeyboardInterrupt):
+            say("")
             break
         try:
             session.handle(line, say)

@@ -25,13 +25,23 @@ UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb":
 
 
 def parse_size(text: str | int | float) -> int:
-    """'12GiB', '12G', '11.5 GB', '800MiB' or a number of bytes -> bytes (G and GiB are both 2**30)."""
+    """'12GiB', '12G', '11.5 GB', '800MiB', '4096B', or a number of bytes as an int -> bytes (G and GiB are both
+    2**30). A string without a unit is refused: '12' is too easily meant as 12 GiB."""
     if isinstance(text, int | float):
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m and not m.group(2):
+        raise ValueError(f"'{text}' has no unit; write {m.group(1)}GiB (or {m.group(1)}GB, {m.group(1)}MiB)")
     if not m or m.group(2).lower() not in UNITS:
         raise ValueError(f"'{text}' is not a size; write e.g. 12GiB, 11.5GB or 800MiB")
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def _size(option: str, value: str | int | float) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"{option} {value}: {e}") from None
 
 
 def host_available() -> int:
@@ -46,16 +56,17 @@ def host_available() -> int:
 
 
 def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | None = None,
-               host: str | int | None = None) -> Budget:
+               host: str | int | None = None, *, cap: bool = True) -> Budget:
     """The budget on `device` (a torch.device or its name; None: no device, a plan for the card `vram` describes).
     Only a CUDA device is measured, and only then is torch imported; elsewhere "the GPU" is host memory, or the
-    card `vram` describes."""
-    res = DEFAULT_RESERVE if reserve is None else parse_size(reserve)
-    host_bytes = parse_size(host) if host is not None else max(GiB, host_available() - HOST_MARGIN)
+    card `vram` describes. With `vram` (and `cap`) torch's allocator is capped to that card's size; `cap=False`
+    computes the same budget without touching the allocator (a plan for another card than the one running)."""
+    res = DEFAULT_RESERVE if reserve is None else _size("--reserve", reserve)
+    host_bytes = _size("--host", host) if host is not None else max(GiB, host_available() - HOST_MARGIN)
+    card = _size("--vram", vram) if vram is not None else None
     if str(device).split(":")[0] != "cuda":
         # on the CPU "the GPU" is host memory: weights and activations share it
-        cap = parse_size(vram) if vram is not None else host_bytes
-        return Budget(cap - res, host_bytes, parse_size(vram) if vram is not None else None, res)
+        return Budget((card if card is not None else host_bytes) - res, host_bytes, card, res)
     import torch
 
     device = torch.device(device)
@@ -64,14 +75,15 @@ def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | 
     free, total = torch.cuda.mem_get_info(index)
     ours = torch.cuda.memory_reserved(index)
     outside = max(0, total - free - ours)  # this process's context (assumes the device is not shared)
-    if vram is None:
-        torch.cuda.set_per_process_memory_fraction(1.0, index)  # undo an earlier cap in this process
+    if card is None:
+        if cap:
+            torch.cuda.set_per_process_memory_fraction(1.0, index)  # undo an earlier cap in this process
         return Budget(free + ours - res, host_bytes, None, res, outside)
-    card = parse_size(vram)
     if card > total:
         raise ValueError(f"--vram {vram} is more than the device has ({total / GiB:.1f} GiB)")
-    cap = card - outside - CARD_MARGIN
-    if cap <= res:
+    limit = card - outside - CARD_MARGIN
+    if limit <= res:
         raise ValueError(f"--vram {vram} leaves nothing: the CUDA context alone takes {outside / GiB:.2f} GiB")
-    torch.cuda.set_per_process_memory_fraction(cap / total, index)
-    return Budget(cap - res, host_bytes, card, res, outside + CARD_MARGIN)
+    if cap:
+        torch.cuda.set_per_process_memory_fraction(limit / total, index)
+    return Budget(limit - res, host_bytes, card, res, outside + CARD_MARGIN)

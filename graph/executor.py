@@ -101,8 +101,8 @@ class NodeContext:
     def model_info(self, kind: str, name: str, dtype: str = "default") -> ModelInfo:
         return self.engine.catalog.model_info(kind, name, dtype)
 
-    def checkpoint_infos(self, path: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
-        return self.engine.catalog.checkpoint_infos(path)
+    def checkpoint_infos(self, name: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
+        return self.engine.catalog.checkpoint_infos(name)
 
     def tokenizer_for(self, info: ModelInfo) -> Path | None:
         return self.engine.catalog.tokenizer_for(info)

@@ -8,6 +8,7 @@ planner for a Plan. `Planning` holds its settings for callers that plan without 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
@@ -79,7 +80,7 @@ def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: 
     output nodes to run (ComfyUI's partial_execution_targets), None for all."""
     shown = folders
     if catalog.allow_builtin:  # planning without weights: a named model file is taken as present
-        shown = _AssumedFiles(*(getattr(folders, f) for f in ("models", "input", "output", "temp")),
+        shown = _AssumedFiles(**{f.name: getattr(folders, f.name) for f in dataclasses.fields(Folders)},
                               assumed=_model_names(prompt))
     check = validate(prompt, nodes, shown, None if outputs is None else list(outputs))
     if not check.ok:

@@ -49,7 +49,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
                 raise CheckpointError(f"{path}: too short to be a safetensors file")
             (n,) = struct.unpack("<Q", head)
             if n > 100 * 2**20:
-                raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
+                raise CheckpointError(f"{path}: not a safetensors file (its header length is not plausible)")
             table = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from e

@@ -106,12 +106,12 @@ class ModelCatalog:
                                            for k in KINDS)
             return self._cache[stamp]
 
-    def checkpoint_infos(self, path: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
-        """`checkpoint_infos_at` a path as given, or relative to one of the models folders."""
-        p = Path(path).expanduser()
-        if not p.is_absolute() and not p.exists() and self.folders is not None:
-            p = next((root / path for root in self.folders.models if (root / path).exists()), p)
-        return self.checkpoint_infos_at(p)
+    def checkpoint_infos(self, name: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
+        """The three components of a whole model: a checkpoint folder listed under the folders (never another
+        path)."""
+        if self.folders is None:
+            raise FileNotFoundError(f"'{name}': no models folders to find checkpoints in")
+        return self.checkpoint_infos_at(self.folders.resolve("checkpoints", name))
 
     def tokenizer_for(self, info: ModelInfo) -> Path | None:
         """The tokenizer.json found beside a text encoder's checkpoint (None: the bundled one)."""

@@ -160,14 +160,10 @@ class ComfyContext:
     def model_info(self, kind: str, name: str, dtype: str = "default") -> ModelInfo:
         return self.rt.catalog.info_at(kind, self.resolve(FOLDERS[kind], name), self.dtype, name)
 
-    def checkpoint_infos(self, path: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
-        p = Path(path).expanduser()
-        if not p.is_absolute() and not p.exists():
-            roots = [Path(getattr(_folder_paths(), "models_dir", "models")),
-                     *map(Path, _folder_paths().get_folder_paths("diffusion_models"))]
-            p = next((r / path for r in roots if (r / path).exists()), p)
-        if not p.exists():
-            raise FileNotFoundError(f"'{path}' is neither a folder nor under ComfyUI's models folder")
+    def checkpoint_infos(self, name: str) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
+        from .files import comfy_checkpoint_roots, find_checkpoint
+
+        p = find_checkpoint(comfy_checkpoint_roots(), name)  # only folders listed under ComfyUI's model folders
         return self.rt.catalog.checkpoint_infos_at(p, self.dtype)
 
     def tokenizer_for(self, info: ModelInfo) -> Path | None:

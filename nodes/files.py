@@ -2,6 +2,11 @@
 
 `Folders` is passed to `INPUT_TYPES(folders=...)` so file lists (COMBO inputs) show what is on disk,
 and to running nodes so they resolve names. Inside ComfyUI, ComfyUI's own `folder_paths` is used.
+
+Whole checkpoints (the `checkpoints` list) are folders, not files: an HF diffusers folder (with
+`model_index.json`), a folder holding the three component files, or a ComfyUI-style folder of
+`diffusion_models/`, `text_encoders/` and `vae/`; they are found under `checkpoints/` and `diffusers/`
+of every models folder, and directly under any extra checkpoint root (`Folders.checkpoints`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,47 @@ MODEL_FOLDERS = {  # ComfyUI's folder name -> the names it also answers to
 }
 MODEL_EXTENSIONS = (".safetensors", ".sft")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+CHECKPOINT_FOLDERS = ("checkpoints", "diffusers")  # under a models folder, where whole checkpoints are looked for
+
+
+def is_checkpoint_dir(p: Path) -> bool:
+    """An HF diffusers folder, a folder of (at least) the three component files, or a ComfyUI-style models folder."""
+    try:
+        if (p / "model_index.json").is_file():
+            return True
+        if all(any((p / n).is_dir() for n in names) for names in MODEL_FOLDERS.values()):
+            return True
+        return sum(1 for f in p.iterdir() if f.is_file() and f.suffix.lower() in MODEL_EXTENSIONS) >= 3
+    except OSError:
+        return False
+
+
+def checkpoint_names(roots: list[Path]) -> list[str]:
+    """The checkpoint folders under `roots` ('/'-separated names relative to their root; two levels deep)."""
+    found: set[str] = set()
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for child in sorted(root.iterdir()):
+            if not child.is_dir():
+                continue
+            if is_checkpoint_dir(child):
+                found.add(child.name)
+            else:
+                found.update(f"{child.name}/{g.name}" for g in child.iterdir() if g.is_dir() and is_checkpoint_dir(g))
+    return sorted(found)
+
+
+def find_checkpoint(roots: list[Path], name: str) -> Path:
+    """The checkpoint folder `name` under one of `roots`; never outside them, never an arbitrary path."""
+    if name in checkpoint_names(roots):  # the list is made by listing the roots, so no name leads outside them
+        for root in roots:
+            p = root / name
+            if p.is_dir() and is_checkpoint_dir(p):
+                return p
+    where = ", ".join(str(r) for r in roots) or "no checkpoints/ or diffusers/ folder under the models folders"
+    raise FileNotFoundError(f"'{name}' is not a checkpoint folder in {where}; put the model folder there "
+                            "(or pass --checkpoint PATH on the command line)")
 
 
 @dataclass(frozen=True)
@@ -24,13 +70,19 @@ class Folders:
     input: Path = field(default_factory=lambda: Path("input"))
     output: Path = field(default_factory=lambda: Path("output"))
     temp: Path = field(default_factory=lambda: Path("temp"))
+    checkpoints: tuple[Path, ...] = ()  # extra roots whose subfolders are checkpoints (--checkpoint PATH's parent)
 
     def model_dirs(self, folder: str) -> list[Path]:
+        if folder == "checkpoints":
+            dirs = [root / n for root in self.models for n in CHECKPOINT_FOLDERS if (root / n).is_dir()]
+            return dirs + [p for p in self.checkpoints if p.is_dir()]
         names = MODEL_FOLDERS.get(folder, (folder,))
         return [root / n for root in self.models for n in names if (root / n).is_dir()]
 
     def list(self, folder: str) -> list[str]:
         """File names (relative, with subfolders, '/'-separated) in a model folder or 'input'."""
+        if folder == "checkpoints":
+            return checkpoint_names(self.model_dirs(folder))
         if folder == "input":
             dirs, exts = [self.input], IMAGE_EXTENSIONS
         else:
@@ -43,7 +95,9 @@ class Folders:
         return sorted(found)
 
     def resolve(self, folder: str, name: str) -> Path:
-        """The file `name` in `folder`; never outside it."""
+        """The file `name` in `folder` (a checkpoint folder for 'checkpoints'); never outside it."""
+        if folder == "checkpoints":
+            return find_checkpoint(self.model_dirs(folder), name)
         dirs = [self.input] if folder == "input" else self.model_dirs(folder)
         for d in dirs:
             p = (d / name).resolve()
@@ -62,7 +116,22 @@ def comfy_list(folder: str) -> list[str]:
     if folder == "input":
         d = folder_paths.get_input_directory()
         return sorted(p.name for p in Path(d).iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+    if folder == "checkpoints":
+        return checkpoint_names(comfy_checkpoint_roots())
     return list(folder_paths.get_filename_list(folder))
+
+
+def comfy_checkpoint_roots() -> list[Path]:
+    """ComfyUI's `diffusers` and `checkpoints` folders (where whole checkpoint folders may sit)."""
+    import folder_paths  # type: ignore[import-not-found]
+
+    roots = []
+    for name in CHECKPOINT_FOLDERS:
+        try:
+            roots += [Path(p) for p in folder_paths.get_folder_paths(name)]
+        except KeyError:  # a ComfyUI without that folder name
+            continue
+    return roots
 
 
 def file_list(folders: Folders | None, folder: str) -> list[str]:

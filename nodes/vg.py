@@ -35,7 +35,8 @@ HIDDEN = core.HIDDEN
 
 
 class VGLoadCheckpoint:
-    """A whole FLUX.2 [klein] model: an HF folder, a ComfyUI models/ folder, or a folder of the three files."""
+    """A whole FLUX.2 [klein] model: a folder from checkpoints/ or diffusers/ of the models folders (an HF diffusers
+    folder, a folder of the three files, or a ComfyUI-style models folder). Only listed folders load."""
 
     CATEGORY = CATEGORY
     RETURN_TYPES = (VG_MODEL, VG_CLIP, VG_VAE)
@@ -45,15 +46,15 @@ class VGLoadCheckpoint:
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {"path": (STRING, {"default": "FLUX.2-klein-4B"})}, "hidden": HIDDEN}
+        return {"required": {"checkpoint": (file_list(folders, "checkpoints"),)}, "hidden": HIDDEN}
 
     @classmethod
-    def vg_estimate(cls, env: Any, path: str) -> Cost:
-        return Cost(tuple(env.checkpoint_infos(path)))
+    def vg_estimate(cls, env: Any, checkpoint: str) -> Cost:
+        return Cost(tuple(env.checkpoint_infos(checkpoint)))
 
-    def load(self, path: str, vg: Any = None) -> tuple:
+    def load(self, checkpoint: str, vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
-        tr, te, vae = vg.checkpoint_infos(path)
+        tr, te, vae = vg.checkpoint_infos(checkpoint)
         return (ModelHandle(tr), ModelHandle(te, vg.tokenizer_for(te)), ModelHandle(vae))
 
 

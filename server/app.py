@@ -190,27 +190,39 @@ class ServerThread:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """`vramgraph serve`: the engine from the command line's options, served until Ctrl-C."""
+    """`vramgraph serve`: the engine from the command line's options (--demo already applied to them), served
+    until Ctrl-C. It says where it listens only once the socket is bound; a busy port is a ValueError."""
     from ..graph.runtime import engine_from
 
-    if getattr(args, "demo", False):
-        from ..models.tiny import SHIPPED_NAMES, write_tiny_models
-
-        models = Path("vramgraph-demo") / "models"
-        if not (models / "vae" / SHIPPED_NAMES["vae"]).exists():
-            write_tiny_models(models, names=SHIPPED_NAMES)
-        args.models = [str(models)]
     engine = engine_from(args)
     for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
         folder.mkdir(parents=True, exist_ok=True)
     engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
-    log.info("vramgraph %s on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", "serve", args.host,
-             args.port, engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
     app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()))
-    web.run_app(app, host=args.host, port=args.port,
-                print=None)
-    return 0
 
+    async def main() -> None:
+        runner = web.AppRunner(app, handle_signals=True)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); "
+                             "is another server running there? Choose another --port") from None
+        port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
+        log.info("vramgraph serve on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", args.host, port,
+                 engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except (web.GracefulExit, KeyboardInterrupt):
+        log.info("stopped")
+    return 0
 
 
 __all__ = ["ROUTES", "ServerThread", "add_comfy_routes", "make_app", "serve"]

@@ -44,9 +44,10 @@ def text_chunks(path: Path) -> tuple[tuple[int, int], dict[str, str]]:
 
 def expected_prompt(path: Path, sets: list[str]) -> dict:
     """The API prompt `vramgraph run` runs: the file (converted if UI format) with the --set values."""
-    from vramgraph.cli.main import apply_sets
+    from vramgraph.cli.main import parse_sets
+    from vramgraph.graph.api import apply_sets
 
-    return apply_sets(load_workflow(path).prompt, [s for s in sets if s != "--set"])
+    return apply_sets(load_workflow(path).prompt, parse_sets([s for s in sets if s != "--set"]))
 
 
 # ------------------------------------------------------------------------------------------ run
@@ -112,7 +113,7 @@ def test_run_demo_in_an_empty_folder(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_validate_a_valid_workflow(tiny_models: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["validate", str(WORKFLOWS / "text_to_image.json"), "--models", str(tiny_models)]) == 0
+    assert main(["validate", str(WORKFLOWS / "text_to_image.json"), "--models", str(tiny_models), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"ok": True, "outputs": ["8"]}
 
 
@@ -121,7 +122,7 @@ def test_validate_prints_comfyui_errors(name: str, node: str | None, error_type:
                                         tiny_models: Path, capsys: pytest.CaptureFixture) -> None:
     """Every file in tests/data/invalid (see test_validate.py's table): exit 1 and ComfyUI's /prompt error JSON on
     stdout, blaming the node the table names."""
-    rc = main(["validate", str(INVALID / f"{name}.json"), "--models", str(tiny_models)])
+    rc = main(["validate", str(INVALID / f"{name}.json"), "--models", str(tiny_models), "--json"])
     assert rc != 0
     r = json.loads(capsys.readouterr().out)
     assert set(r) == {"error", "node_errors"}

@@ -261,3 +261,25 @@ def test_models_leave_the_gpu_after_each_node(tmp_path, models, monkeypatch):
     finally:
         for k in [k for k in sys.modules if k.startswith("vramgraph_pack_gpu")]:
             del sys.modules[k]
+
+
+def test_checkpoints_come_from_comfyuis_folders_only(pack, models, tmp_path, monkeypatch):
+    """VGLoadCheckpoint lists the model folders in ComfyUI's diffusers/ (and checkpoints/) folders and loads only
+    those: a path is not a value it takes."""
+    import shutil
+
+    diffusers = tmp_path / "diffusers"
+    (diffusers / "klein").mkdir(parents=True)
+    for rel in ("diffusion_models/flux-2-klein-4b.safetensors", "text_encoders/qwen_3_4b.safetensors",
+                "vae/flux2-vae.safetensors"):
+        shutil.copy(models / rel, diffusers / "klein" / Path(rel).name)
+    fp = pack.stubs["folder_paths"]
+    listed = fp.get_folder_paths  # raises KeyError for names it lacks, as ComfyUI's does
+    monkeypatch.setattr(fp, "get_folder_paths", lambda name: [str(diffusers)] if name == "diffusers" else listed(name))
+    cls = pack.NODE_CLASS_MAPPINGS["VGLoadCheckpoint"]
+    assert cls.INPUT_TYPES()["required"]["checkpoint"][0] == ["klein"]
+    model, text_encoder, vae = cls().load("klein")
+    assert (model.info.kind, text_encoder.info.kind, vae.info.kind) == ("transformer", "text_encoder", "vae")
+    for bad in ("/etc", str(diffusers / "klein"), "../diffusers/klein"):
+        with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
+            cls().load(bad)

@@ -188,7 +188,7 @@ def test_plan_and_validate_read_model_files_without_torch(tmp_path: Path, tiny_m
     loaded = {s["model"] for s in plan["steps"] if s["kind"] == "load"}
     assert loaded and all(str(tiny_models) in key for key in loaded)  # the files' infos, not the built-in specs
     assert torch_loaded is False
-    done, torch_loaded = _command(["validate", str(WORKFLOW), "--models", str(tiny_models)], tmp_path)
+    done, torch_loaded = _command(["validate", str(WORKFLOW), "--json", "--models", str(tiny_models)], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(done.stdout)["ok"] is True
     assert torch_loaded is False

@@ -192,7 +192,9 @@ def test_cli_writes_pngs(refs, ckpts, tmp_path, capsys):
     assert cli(["inspect", str(ckpts["comfy"])]) == 0
     assert '"variant": "custom"' in capsys.readouterr().out
     assert cli(["generate", "--models", str(tmp_path / "nowhere"), "-p", "x", "-o", str(tmp_path / "n.png")]) == 1
-    assert "not in list" in capsys.readouterr().err
+    err = capsys.readouterr().err  # one line: the first node error, how many more, and why the list is empty
+    assert err.count("\n") == 1 and "node 1 (VGLoadTransformer)" in err and "[value_not_in_list]" in err
+    assert "nowhere does not exist" in err
 
 
 def test_demo_runs_the_whole_path_on_tiny_models(tmp_path, capsys):

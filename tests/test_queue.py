@@ -12,6 +12,7 @@ from PIL import Image
 from vramgraph.cli import main as cli
 from vramgraph.cli.session import Session
 from vramgraph.graph import planner
+from vramgraph.graph.api import Pipeline
 from vramgraph.graph.budget import Budget
 from vramgraph.graph.executor import Cancel, Engine
 from vramgraph.graph.prompts import build_prompt
@@ -130,9 +131,9 @@ def test_queue_respects_host_ram(tiny_models, input_dir, tmp_path):
 
 
 def test_session_keeps_models_and_reports_moves(tiny_models, input_dir, tmp_path):
-    engine = Engine(_folders(tiny_models, input_dir, tmp_path))
+    pipe = Pipeline(tiny_models, input=tmp_path / "in", output=tmp_path / "out")
     said: list[str] = []
-    s = Session(engine, width=SIDE, height=SIDE, save_dir=tmp_path / "saved")
+    s = Session(pipe, width=SIDE, height=SIDE, save_dir=tmp_path / "saved")
     s.handle("a red fox", said.append)
     assert "loaded text encoder, transformer, vae" in said[-1] and "seed 0" in said[-1]
     s.handle("!seed 7", said.append)
@@ -148,6 +149,10 @@ def test_session_keeps_models_and_reports_moves(tiny_models, input_dir, tmp_path
         s.handle("!bogus", said.append)
     with pytest.raises(ValueError, match="WxH"):
         s.handle("!size big", said.append)
+    with pytest.raises(ValueError, match=r"!steps 0: must be a whole number from 1 to 1000"):
+        s.handle("!steps 0", said.append)
+    with pytest.raises(ValueError, match=r"size width 100: must be a multiple of 16"):
+        s.handle("100x64 a dog", said.append)
     s.handle("!quit", said.append)
     assert s.done
 

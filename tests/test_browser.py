@@ -250,7 +250,7 @@ def test_dense_plan_picture_is_readable_and_the_cli_drawing(browser, server, tmp
     # the same drawing as the CLI's --svg for the same workflow, budget and models
     svg = tmp_path / "cli.svg"
     assert main(["plan", str(path), "--models", str(server.models), "--device", "cpu", "--dtype", "fp32",
-                 "--vram", str(server.budget.card), "--reserve", "0", "--host", "8GiB", "--svg", str(svg)]) == 0
+                 "--vram", f"{server.budget.card}B", "--reserve", "0B", "--host", "8GiB", "--svg", str(svg)]) == 0
     root = ElementTree.fromstring(svg.read_text(encoding="utf-8"))
     assert got["texts"] == ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
     assert got["ids"] == [e.get("id") for e in root.iter() if e.get("id")]

@@ -13,6 +13,11 @@ happens), and POST /vramgraph/plan, /vramgraph/convert, /vramgraph/ui for the pa
 One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
 reach the websockets through one outgoing message queue on the event loop, so they keep their order.
 Files are served and written only inside the input, output and temp folders.
+
+Beside a browser (security.py): requests from pages of other sites, foreign Host headers (DNS rebinding) and
+cross-site websockets are refused unless `cors` (`--enable-cors-header [ORIGIN]`) opts out as in ComfyUI;
+/view serves only images inline; uploads must be images. Malformed requests are answered 4xx in ComfyUI's
+error shape (bodies.py); each websocket client has its own bounded send queue (hub.py).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from typing import Any
 
 from aiohttp import web
 
+from .bodies import refusals
 from .hub import Hub
 from .queue import PromptQueue, Worker
 from .routes import Routes, plan_response
+from .security import middlewares
 
 log = logging.getLogger("vramgraph.server")
 ROOT = Path(__file__).parent.parent
@@ -77,7 +84,7 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
-             batch: bool = True, plugins: tuple[str, ...] = ()) -> web.Application:
+             batch: bool = True, plugins: tuple[str, ...] = (), cors: str | None = None) -> web.Application:
     """The aiohttp application over `engine` (a graph.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -86,6 +93,8 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     `preview_method` other than "none", or for every prompt with `previews` (ComfyUI sends none by default,
     and some clients take any binary frame for a result). The worker thread starts and stops with the app.
     `plugins` are Python files or module names whose `setup(app, engine)` adds routes (bench/ has one).
+    `cors` is ComfyUI's --enable-cors-header: an origin (or "*") every answer allows, in place of the default
+    origin checks (security.py).
     """
     from ..graph.executor import Engine
 
@@ -95,7 +104,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     queue, hub = PromptQueue(), Hub()
     worker = Worker(engine, queue, hub, previews, batch=batch)
     routes = Routes(engine, queue, hub, worker, planner)
-    app = web.Application(client_max_size=256 * 2**20)
+    app = web.Application(client_max_size=256 * 2**20, middlewares=[*middlewares(cors), refusals])
     app[ROUTES] = routes
     for method, path, handler in routes.table():
         app.router.add_route(method, path, handler)
@@ -197,7 +206,8 @@ def serve(args: argparse.Namespace) -> int:
     engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
     log.info("vramgraph %s on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", "serve", args.host,
              args.port, engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
-    app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()))
+    app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()),
+                   cors=getattr(args, "enable_cors_header", None))
     web.run_app(app, host=args.host, port=args.port,
                 print=None)
     return 0

@@ -54,6 +54,16 @@ def _host_port(netloc: str) -> tuple[str | None, int | None]:
         return None, None
 
 
+def _origin_host_port(origin: str) -> tuple[str | None, int | None]:
+    """(hostname, port) of an Origin header; (None, None) for "null" or anything unreadable."""
+    origin = origin.strip().lower()
+    try:
+        netloc = urllib.parse.urlsplit(origin).netloc if origin != "null" else ""
+    except ValueError:
+        return None, None
+    return _host_port(netloc) if netloc else (None, None)
+
+
 def loopback_name(host: str | None) -> bool:
     """A loopback address or the name localhost (never resolved: a resolving name is how rebinding works)."""
     if not host:
@@ -100,8 +110,7 @@ def origin_problem(request: web.Request) -> tuple[str, str] | None:
     origin = headers.get("Origin")
     if origin is None or host is None:
         return None
-    parsed = urllib.parse.urlsplit(origin.strip().lower()) if origin.strip().lower() != "null" else None
-    o_host, o_port = _host_port(parsed.netloc) if parsed is not None else (None, None)
+    o_host, o_port = _origin_host_port(origin)
     h_host, h_port = _host_port(host.lower())
     if o_host is None or h_host is None:
         return ("the request's Origin is not this server",

@@ -308,7 +308,10 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
     from ..graph.planner import PlanError
     from ..graph.timeline import timeline_data
 
-    body = await _body(request)
+    try:  # inside ComfyUI (add_comfy_routes) no middleware of ours answers a BadRequest
+        body = await _body(request)
+    except BadRequest as e:
+        return e.response()
     prompt = body.get("prompt") if isinstance(body, dict) else None
     if not isinstance(prompt, dict):
         return _json_error(400, 'send {"prompt": <API-format workflow>}', "invalid_prompt")

@@ -4,8 +4,8 @@ By default (ComfyUI's origin-only middleware, made stricter in two places), a re
 - its `Origin` names another host (or port) than its `Host` header: a page of another site driving the API.
   ComfyUI does this only for a loopback Host; we do it for every Host, and refuse `Origin: null` (a
   sandboxed frame or a file:// page) too, which ComfyUI lets through;
-- it arrived on a loopback address but its `Host` is not a loopback name or address: DNS rebinding, a
-  foreign name that resolves to 127.0.0.1 (ComfyUI resolves the name and so lets it in);
+- it arrived on a loopback address but its `Host` is not localhost, a loopback address or this machine's
+  name: DNS rebinding, a foreign name that resolves to 127.0.0.1 (ComfyUI resolves the name and so lets it in);
 - it is state-changing (any method but GET, HEAD, OPTIONS) or a websocket upgrade and the browser marks it
   `Sec-Fetch-Site: cross-site`.
 `--enable-cors-header [ORIGIN]` replaces all this, as in ComfyUI, by answering every request with
@@ -24,6 +24,7 @@ import ipaddress
 import logging
 import mimetypes
 import re
+import socket
 import struct
 import urllib.parse
 from typing import Any
@@ -65,15 +66,18 @@ def _origin_host_port(origin: str) -> tuple[str | None, int | None]:
 
 
 def loopback_name(host: str | None) -> bool:
-    """A loopback address or the name localhost (never resolved: a resolving name is how rebinding works)."""
+    """A name a loopback connection may give as its Host: a loopback or unspecified address (0.0.0.0), the
+    name localhost, or this machine's own name. Never resolved: a name resolving to 127.0.0.1 is how DNS
+    rebinding works."""
     if not host:
         return False
-    if host == "localhost" or host.endswith(".localhost"):
+    if host == "localhost" or host.endswith(".localhost") or host == socket.gethostname().lower():
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    return address.is_loopback or address.is_unspecified
 
 
 def _arrived_on_loopback(request: web.Request) -> bool:

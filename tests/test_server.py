@@ -461,6 +461,41 @@ def test_origin_checks_by_default_and_the_cors_opt_out(server, folders):
         assert r.status_code == 400 and r.json()["error"]["type"] == "prompt_no_outputs", "checks opted out"
 
 
+def test_a_client_whose_queue_overflows_is_dropped_alone(folders):
+    """Messages for one client beyond its queue's bound drop that client; another client's messages still arrive."""
+    import aiohttp
+    from vramgraph.graph.executor import Engine
+    from vramgraph.server.app import ROUTES, ServerThread, make_app
+
+    app = make_app(Engine(folders, nodes=NODES), start_worker=False)
+    hub = app[ROUTES].hub
+    hub.queue_size = 4
+
+    async def go(url: str) -> tuple[list, list, set]:
+        async with aiohttp.ClientSession() as s, s.ws_connect(url + "/ws?clientId=flood") as flood, \
+                s.ws_connect(url + "/ws?clientId=calm") as calm:
+            assert (await flood.receive_json(timeout=10))["type"] == "status"
+            assert (await calm.receive_json(timeout=10))["type"] == "status"
+
+            def burst() -> None:  # one turn of the event loop: the flood client's sender cannot keep up
+                for i in range(10):
+                    hub.send("flood", {"i": i}, "flood")
+                hub.send("calm", {"i": 0}, "calm")
+
+            hub.loop.call_soon_threadsafe(burst)
+            got = [await calm.receive_json(timeout=10)]
+            flooded = []
+            while (msg := await flood.receive(timeout=10)).type == aiohttp.WSMsgType.TEXT:
+                flooded.append(json.loads(msg.data)["data"]["i"])
+            return got, flooded, set(hub.sockets)
+
+    with ServerThread(app) as srv:
+        got, flooded, connected = asyncio.run(go(srv.url))
+    assert got == [{"type": "calm", "data": {"i": 0}}]
+    assert flooded == [], "the fifth message dropped the client at once: its connection aborted, nothing more sent"
+    assert connected == {"calm"}
+
+
 def test_history_is_bounded_in_entries_and_bytes():
     from vramgraph.server.queue import PromptQueue
 

@@ -11,7 +11,7 @@ Every route also answers under /api, as ComfyUI's does. Our additions: the `vram
 happens), and POST /vramgraph/plan, /vramgraph/convert, /vramgraph/ui for the page.
 
 One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
-reach the websockets through one outgoing message queue on the event loop, so they keep their order.
+reach each websocket through that client's own outgoing queue on the event loop, so they keep their order.
 Files are served and written only inside the input, output and temp folders.
 
 Beside a browser (security.py): requests from pages of other sites, foreign Host headers (DNS rebinding) and

@@ -95,7 +95,7 @@ class Hub:
         for c in clients:
             try:
                 await asyncio.wait_for(c.ws.close(), 1.0)
-            except (TimeoutError, ConnectionError, RuntimeError):
+            except (asyncio.TimeoutError, ConnectionError, RuntimeError):
                 self._abort(c)
 
     def attach(self, sid: str, ws: web.WebSocketResponse, transport: Any = None) -> None:
@@ -146,7 +146,7 @@ class Hub:
                     await asyncio.wait_for(c.ws.send_bytes(frame), self.timeout)
                 else:
                     await asyncio.wait_for(c.ws.send_str(frame), self.timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
                 self._drop(c, f"a message took over {self.timeout:g} s to leave (the client stopped reading)")
                 return
             except (ConnectionError, RuntimeError) as e:

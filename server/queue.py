@@ -1,7 +1,7 @@
 """The server's queue, its websockets and its one worker thread (see app.py).
 
 `PromptQueue` is ComfyUI's queue (pending items ordered by number, the running one, the history);
-`Hub` holds the websockets and one ordered outgoing message queue on the event loop; `Worker` is the
+`Hub` holds the websockets, each with its own ordered outgoing queue on the event loop; `Worker` is the
 only thread that calls the engine: it turns the engine's events into ComfyUI's websocket messages and
 history entries.
 

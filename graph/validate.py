@@ -16,14 +16,16 @@ Where ComfyUI has no check (it would raise and report an exception), we report:
   `class_type`.
 Literal conversion is ComfyUI's (`int(v)`, `float(v)`), with two deliberate differences: STRING accepts
 only strings (ComfyUI would `str()` anything) and BOOLEAN only true/false, 0/1 or "true"/"false"
-(ComfyUI's `bool("false")` is True). Defaults are not applied here; `inputs_with_defaults` does that
-for the executor.
+(ComfyUI's `bool("false")` is True), and FLOAT refuses NaN and infinities. Defaults are not applied here;
+`inputs_with_defaults` does that for the executor. An input the node does not declare is ignored, as
+ComfyUI ignores it, with a warning in the log; it is not in the validated prompt.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ from ..nodes.files import IMAGE_EXTENSIONS, MODEL_EXTENSIONS
 from ..nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible, is_link
 from .errors import ValidationFailed
 
+log = logging.getLogger("vramgraph.validate")
 COMBO = "COMBO"
 LIST_SHOWN = 20  # combo lists longer than this are summarised, as ComfyUI does ("list of length N")
 WANTED = {INT: "a whole number", FLOAT: "a number", STRING: "text (a JSON string)", BOOLEAN: "true or false"}
@@ -140,8 +143,8 @@ def _convert(input_type: Any, val: Any) -> Any:
         return int(val)
     if input_type == FLOAT:
         v = float(val)
-        if math.isnan(v):
-            raise ValueError("NaN is not a number")
+        if not math.isfinite(v):
+            raise ValueError(f"{v} is not a finite number")
         return v
     if input_type == STRING:
         if not isinstance(val, str):
@@ -277,6 +280,11 @@ def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type], folder
                      exception_message=str(ex), exception_type=type(ex).__name__)], [], inputs
     errors: list[dict] = []
     links: list[tuple[str, str, int]] = []
+    names = {x for x, *_ in declared}
+    for x in [k for k in inputs if k not in names]:  # as ComfyUI: an input the node does not declare is ignored
+        log.warning("node %s (%s): input %r is not one of its inputs (%s); ignored", node_id, class_type,
+                    str(x)[:80], ", ".join(sorted(names)) or "it has none")
+        del inputs[x]
     for x, category, input_type, opts in declared:
         info = (input_type, opts)
         if x not in inputs:

@@ -45,27 +45,35 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     try:
         with open(path, "rb") as f:
             head = f.read(8)
-            if len(head) != 8:
-                raise CheckpointError(f"{path}: too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > 100 * 2**20:
-                raise CheckpointError(f"{path}: not a safetensors file (its header length is not plausible)")
-            table = json.loads(f.read(n))
+            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+            raw = f.read(n) if 2 <= n <= 100 * 2**20 else b""
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not a safetensors file (header is not JSON)") from e
+    if len(head) != 8:
+        raise CheckpointError(f"{path}: not a safetensors file (too short to be one)")
+    if not raw:
+        raise CheckpointError(f"{path}: not a safetensors file (its header length is not plausible)")
+    try:
+        table = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON)") from e
+    if not isinstance(table, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not a table of tensors)")
     meta = table.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its metadata is not a table)")
     infos = {}
-    for k, v in table.items():
+    for k, v in table.items():  # messages never quote the header: its bytes may come from any file
         try:
             info = TensorInfo(path, v["dtype"], tuple(v["shape"]), k, offset=8 + n + v["data_offsets"][0])
             stored = v["data_offsets"][1] - v["data_offsets"][0]
-        except (KeyError, TypeError, IndexError) as e:
-            raise CheckpointError(f"{path}: not a safetensors file (tensor {k!r} is described wrongly)") from e
-        if info.dtype in STORED and stored != info.nbytes:
-            raise CheckpointError(f"{path}: tensor {k!r} holds {stored} bytes, but {info.dtype} {list(info.shape)} "
-                                  f"needs {info.nbytes}: the file is damaged")
+            wrong = info.dtype in STORED and stored != info.nbytes
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file (a tensor in its header is described wrongly)") \
+                from e
+        if wrong:
+            raise CheckpointError(f"{path}: a tensor's stored size does not match its dtype and shape: the file is "
+                                  "damaged (an incomplete download?)")
         infos[k] = info
     return infos, meta
 

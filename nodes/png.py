@@ -80,5 +80,9 @@ def write(path: Path, pixels: np.ndarray, text: Mapping[str, str] = (), level: i
     """Write the PNG to `path` through a temporary name, so that no reader ever sees half a file."""
     data = encode(pixels, text, level)
     tmp = path.with_name(path.name + ".part")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a name taken by a folder, an interrupt: no .part is left behind
+        tmp.unlink(missing_ok=True)
+        raise

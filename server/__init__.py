@@ -1,5 +1,7 @@
 """The local server: ComfyUI's HTTP and websocket API plus the plan page (`vramgraph serve`).
 
 `app.py` builds the aiohttp application, `routes.py` answers the requests, `queue.py` holds the prompt
-queue and the worker that runs it, `hub.py` sends websocket events, `formats.py` shapes responses.
+queue and the worker that runs it, `hub.py` sends websocket events, `formats.py` shapes responses,
+`bodies.py` checks what requests carry (4xx in ComfyUI's error shape), `security.py` keeps the server safe
+beside a browser (origin checks, safe file serving, image-only uploads).
 """

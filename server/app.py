@@ -17,8 +17,13 @@ Our additions: the `vramgraph.plan` event (the running prompt's plan and its tim
 /vramgraph/ui for the page.
 
 One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
-reach the websockets through one outgoing message queue on the event loop, so they keep their order.
+reach each websocket through that client's own outgoing queue on the event loop, so they keep their order.
 Files are served and written only inside the input, output and temp folders.
+
+Beside a browser (security.py): requests from pages of other sites, foreign Host headers (DNS rebinding) and
+cross-site websockets are refused unless `cors` (`--enable-cors-header [ORIGIN]`) opts out as in ComfyUI;
+/view serves only images inline; uploads must be images. Malformed requests are answered 4xx in ComfyUI's
+error shape (bodies.py); each websocket client has its own bounded send queue (hub.py).
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ from typing import Any
 
 from aiohttp import web
 
+from .bodies import refusals
 from .compat import Compat
 from .formats import MAX_UPLOAD_SIZE
 from .hub import Hub
 from .queue import PromptQueue, Worker
 from .routes import Routes, plan_response
+from .security import middlewares
 
 log = logging.getLogger("vramgraph.server")
 ROOT = Path(__file__).parent.parent
@@ -85,7 +92,8 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
-             batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None) -> web.Application:
+             batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None,
+             cors: str | None = None) -> web.Application:
     """The aiohttp application over `engine` (a graph.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -95,6 +103,8 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     and some clients take any binary frame for a result). The worker thread starts and stops with the app.
     `plugins` are Python files or module names whose `setup(app, engine)` adds routes (bench/ has one).
     `user_dir` is where ComfyUI's front end finds settings and user files, read-only (see server/compat.py).
+    `cors` is ComfyUI's --enable-cors-header: an origin (or "*") every answer allows, in place of the default
+    origin checks (security.py).
     """
     from ..graph.executor import Engine
 
@@ -104,7 +114,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     queue, hub = PromptQueue(), Hub()
     worker = Worker(engine, queue, hub, previews, batch=batch)
     routes = Routes(engine, queue, hub, worker, planner)
-    app = web.Application(client_max_size=MAX_UPLOAD_SIZE)
+    app = web.Application(client_max_size=MAX_UPLOAD_SIZE, middlewares=[*middlewares(cors), refusals])
     app[ROUTES] = routes
     for method, path, handler in [*routes.table(), *Compat(routes, user_dir).table()]:
         app.router.add_route(method, path, handler)
@@ -198,7 +208,8 @@ def serve(args: argparse.Namespace) -> int:
     for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
         folder.mkdir(parents=True, exist_ok=True)
     engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
-    app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()))
+    app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()),
+                   cors=getattr(args, "enable_cors_header", None))
 
     async def main() -> None:
         runner = web.AppRunner(app, handle_signals=True)

@@ -1,4 +1,11 @@
-"""The websockets by client id and the one ordered queue of outgoing messages; ComfyUI's preview frames."""
+"""The websockets by client id, each with its own bounded queue of outgoing messages; ComfyUI's preview frames.
+
+Clients are isolated from each other: every client has one sender task that takes its messages in order
+from a queue of at most SEND_QUEUE messages (SEND_QUEUE_BYTES bytes), and each send may take at most
+SEND_TIMEOUT seconds. A client whose queue overflows, whose send times out (it stopped reading) or fails
+is dropped (its connection aborted); no other client waits for it. Incoming frames are capped at
+MAX_INCOMING bytes (aiohttp's default); a larger one closes that connection (1009, message too big).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import io
 import json
 import logging
 import struct
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -14,6 +22,10 @@ from aiohttp import web
 log = logging.getLogger("vramgraph.server")
 PREVIEW_IMAGE = 1  # ComfyUI's binary event type; then 4 bytes of image format (1 JPEG, 2 PNG), then the image
 IMAGE_FORMATS = {"JPEG": 1, "PNG": 2}
+SEND_QUEUE = 4096  # messages waiting for one client at most
+SEND_QUEUE_BYTES = 64 * 2**20  # and their bytes
+SEND_TIMEOUT = 10.0  # seconds one message may take to leave; a client that stops reading is then dropped
+MAX_INCOMING = 4 * 2**20  # bytes of one incoming websocket message (aiohttp's default)
 
 
 def encode_preview(image: Any, fmt: str = "PNG", max_size: int | None = None) -> bytes:
@@ -28,47 +40,129 @@ def encode_preview(image: Any, fmt: str = "PNG", max_size: int | None = None) ->
     return buf.getvalue()
 
 
-class Hub:
-    """The websockets by client id, and the one ordered queue of outgoing messages."""
+def dumps(obj: Any) -> str:
+    """JSON a browser can parse: NaN and infinities (never sent by clients, see bodies.py) written as null."""
+    try:
+        return json.dumps(obj, default=str, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(obj), default=str, allow_nan=False)
 
-    def __init__(self) -> None:
-        self.sockets: dict[str, web.WebSocketResponse] = {}
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if x == x and x not in (float("inf"), float("-inf")) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+@dataclass(eq=False)
+class _Client:
+    """One websocket and what waits to be sent to it."""
+
+    sid: str
+    ws: web.WebSocketResponse
+    transport: Any  # the connection, aborted when the client is dropped
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queued_bytes: int = 0
+    task: asyncio.Task | None = None
+
+
+class Hub:
+    """The websockets by client id, each with its own sender (see the module doc)."""
+
+    def __init__(self, queue_size: int = SEND_QUEUE, queue_bytes: int = SEND_QUEUE_BYTES,
+                 timeout: float = SEND_TIMEOUT) -> None:
+        self.clients: dict[str, _Client] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.messages: asyncio.Queue | None = None
-        self._task: asyncio.Task | None = None
+        self.queue_size, self.queue_bytes, self.timeout = queue_size, queue_bytes, timeout
+
+    @property
+    def sockets(self) -> dict[str, web.WebSocketResponse]:
+        """The connected websockets by client id (a copy)."""
+        return {sid: c.ws for sid, c in self.clients.items()}
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.messages = asyncio.Queue()
-        self._task = self.loop.create_task(self._publish())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for ws in list(self.sockets.values()):
-            await ws.close()
+        clients, self.clients = list(self.clients.values()), {}
+        for c in clients:
+            if c.task is not None:
+                c.task.cancel()
+        for c in clients:
+            try:
+                await asyncio.wait_for(c.ws.close(), 1.0)
+            except (asyncio.TimeoutError, ConnectionError, RuntimeError):
+                self._abort(c)
+
+    def attach(self, sid: str, ws: web.WebSocketResponse, transport: Any = None) -> None:
+        """Send `sid`'s messages to `ws` from now on (a client reconnecting with its id replaces its old socket)."""
+        old = self.clients.pop(sid, None)
+        if old is not None and old.task is not None:
+            old.task.cancel()
+        client = _Client(sid, ws, transport)
+        client.task = asyncio.get_running_loop().create_task(self._sender(client), name=f"ws-send-{sid[:16]}")
+        self.clients[sid] = client
+
+    def detach(self, sid: str, ws: web.WebSocketResponse) -> None:
+        """`ws` has closed: stop sending to it (unless `sid` has connected again since)."""
+        client = self.clients.get(sid)
+        if client is not None and client.ws is ws:
+            del self.clients[sid]
+            if client.task is not None:
+                client.task.cancel()
 
     def send(self, kind: str | int, data: Any, sid: str | None = None) -> None:
-        """Queue a message from the event loop's thread (sid None: every client)."""
-        if self.messages is not None:
-            self.messages.put_nowait((kind, data, sid))
+        """Queue a message from the event loop's thread (sid None: every client); never waits."""
+        targets = list(self.clients.values()) if sid is None else [self.clients[sid]] if sid in self.clients else []
+        if not targets:
+            return
+        frame: bytes | str = bytes(data) if isinstance(data, bytes | bytearray) else dumps({"type": kind, "data": data})
+        size = len(frame)
+        for c in targets:
+            if c.queue.qsize() >= self.queue_size or c.queued_bytes + size > self.queue_bytes:
+                self._drop(c, f"{c.queue.qsize()} messages ({c.queued_bytes} bytes) waiting")
+                continue
+            c.queued_bytes += size
+            c.queue.put_nowait(frame)
 
     def send_threadsafe(self, kind: str | int, data: Any, sid: str | None = None) -> None:
         """Queue a message from any thread (the worker's)."""
         if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.send, kind, data, sid)
+            try:
+                self.loop.call_soon_threadsafe(self.send, kind, data, sid)
+            except RuntimeError:  # the loop closed meanwhile (shutdown)
+                pass
 
-    async def _publish(self) -> None:
-        assert self.messages is not None
+    async def _sender(self, c: _Client) -> None:
         while True:
-            kind, data, sid = await self.messages.get()
-            targets = list(self.sockets.values()) if sid is None else \
-                [self.sockets[sid]] if sid in self.sockets else []
-            for ws in targets:
-                try:
-                    if isinstance(data, bytes | bytearray):
-                        await ws.send_bytes(bytes(data))
-                    else:
-                        await ws.send_str(json.dumps({"type": kind, "data": data}, default=str))
-                except (ConnectionError, RuntimeError) as e:
-                    log.warning("websocket send failed: %s", e)
+            frame = await c.queue.get()
+            c.queued_bytes -= len(frame)
+            try:
+                if isinstance(frame, bytes):
+                    await asyncio.wait_for(c.ws.send_bytes(frame), self.timeout)
+                else:
+                    await asyncio.wait_for(c.ws.send_str(frame), self.timeout)
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                self._drop(c, f"a message took over {self.timeout:g} s to leave (the client stopped reading)")
+                return
+            except (ConnectionError, RuntimeError) as e:
+                self._drop(c, f"sending failed ({type(e).__name__}: {e})")
+                return
+
+    def _drop(self, c: _Client, why: str) -> None:
+        """Stop serving client `c` at once: it is forgotten and its connection aborted."""
+        log.warning("websocket client %s dropped: %s", c.sid[:64], why)
+        if self.clients.get(c.sid) is c:
+            del self.clients[c.sid]
+        if c.task is not None and c.task is not asyncio.current_task():
+            c.task.cancel()
+        self._abort(c)
+
+    @staticmethod
+    def _abort(c: _Client) -> None:
+        if c.transport is not None:
+            c.transport.abort()

@@ -1,7 +1,7 @@
 """The server's queue, its websockets and its one worker thread (see app.py).
 
 `PromptQueue` is ComfyUI's queue (pending items ordered by number, the running one, the history);
-`Hub` holds the websockets and one ordered outgoing message queue on the event loop; `Worker` is the
+`Hub` holds the websockets, each with its own ordered outgoing queue on the event loop; `Worker` is the
 only thread that calls the engine: it turns the engine's events into ComfyUI's websocket messages and
 history entries.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from .hub import PREVIEW_IMAGE, Hub, encode_preview
 
 log = logging.getLogger("vramgraph.server")
 MAX_HISTORY = 1000
+MAX_HISTORY_BYTES = 256 * 2**20  # the history's entries as JSON, at most; the oldest go first
 MAX_BATCH = 16  # prompts planned together at most
 
 
@@ -50,19 +52,37 @@ def _now_ms() -> int:
 class PromptQueue:
     """ComfyUI's prompt queue: pending items ordered by number, the running one, the history. Thread-safe."""
 
-    def __init__(self, max_history: int = MAX_HISTORY) -> None:
+    def __init__(self, max_history: int = MAX_HISTORY, max_history_bytes: int = MAX_HISTORY_BYTES) -> None:
         self._cond = threading.Condition()
         self._pending: list[tuple[float, int, Item]] = []
         self._seq = itertools.count()
         self.running: dict[str, Item] = {}
         self.history: OrderedDict[str, dict] = OrderedDict()
         self.flags: dict[str, bool] = {}
-        self.max_history = max_history
+        self.max_history, self.max_history_bytes = max_history, max_history_bytes
+        self._sizes: dict[str, int] = {}  # prompt id -> its history entry's JSON size
+        self._history_bytes = 0
 
     def put(self, item: Item) -> None:
         with self._cond:
             heapq.heappush(self._pending, (item[0], next(self._seq), item))
             self._cond.notify_all()
+
+    def put_new(self, item: Item) -> bool:
+        """Queue `item` unless its prompt id is already pending, running or in the history (then False)."""
+        with self._cond:
+            if self._known(item[1]):
+                return False
+            self.put(item)
+            return True
+
+    def known(self, prompt_id: str) -> bool:
+        with self._cond:
+            return self._known(prompt_id)
+
+    def _known(self, prompt_id: str) -> bool:
+        return prompt_id in self.running or prompt_id in self.history or any(e[2][1] == prompt_id
+                                                                             for e in self._pending)
 
     def get(self, timeout: float) -> Item | None:
         """The next item (now running), or None after `timeout` seconds or when woken by a flag."""
@@ -87,17 +107,31 @@ class PromptQueue:
 
     def done(self, prompt_id: str, entry: dict) -> None:
         """Store the history entry, then mark the prompt finished (clients read history once the queue is empty)."""
+        size = _json_size(entry)
         with self._cond:
-            self.history[prompt_id] = entry
-            while len(self.history) > self.max_history:
-                self.history.popitem(last=False)
+            self._store(prompt_id, entry, size)
             self.running.pop(prompt_id, None)
+
+    def _store(self, prompt_id: str, entry: dict, size: int) -> None:
+        """Keep `entry`; the oldest entries go while there are over max_history or over max_history_bytes."""
+        self._history_bytes += size - self._sizes.get(prompt_id, 0)
+        self.history[prompt_id], self._sizes[prompt_id] = entry, size
+        while len(self.history) > self.max_history or (self._history_bytes > self.max_history_bytes
+                                                       and len(self.history) > 1):
+            old, _ = self.history.popitem(last=False)
+            self._history_bytes -= self._sizes.pop(old, 0)
 
     def update_history(self, prompt_id: str, key: str, value: Any) -> None:
         """Replace one field of a written history entry (a batch's full report, once the batch has ended)."""
         with self._cond:
+            entry = self.history.get(prompt_id)
+        if entry is None:
+            return
+        entry = {**entry, key: value}
+        size = _json_size(entry)
+        with self._cond:
             if prompt_id in self.history:
-                self.history[prompt_id] = {**self.history[prompt_id], key: value}
+                self._store(prompt_id, entry, size)
 
     def set_flag(self, name: str, value: bool) -> None:
         with self._cond:
@@ -140,8 +174,16 @@ class PromptQueue:
         with self._cond:
             if prompt_id is None:
                 self.history.clear()
+                self._sizes.clear()
+                self._history_bytes = 0
             else:
                 self.history.pop(prompt_id, None)
+                self._history_bytes -= self._sizes.pop(prompt_id, 0)
+
+
+def _json_size(entry: dict) -> int:
+    """The bytes of `entry` as /history sends it."""
+    return len(json.dumps(entry, default=str))
 
 
 class Worker:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
-import json
 import logging
 import os
 import threading
@@ -18,8 +17,10 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from . import formats
-from .hub import Hub
+from .bodies import BadRequest, id_list, json_error, prompt_request, read_json, read_object, sane_id
+from .hub import MAX_INCOMING, Hub, dumps
 from .queue import PromptQueue, Worker
+from .security import uploaded_image_format, view_headers
 
 log = logging.getLogger("vramgraph.server")
 ROOT = Path(__file__).parent.parent
@@ -27,23 +28,36 @@ ROOT = Path(__file__).parent.parent
 # ------------------------------------------------------------------------------------------------ routes
 
 
-def _json_error(status: int, message: str, type_: str = "invalid_request", **extra: Any) -> web.Response:
-    error = {"type": type_, "message": message, "details": message, "extra_info": extra}
-    return web.json_response({"error": error, "node_errors": {}}, status=status)
-
-
-async def _body(request: web.Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError:
-        return None
+_json_error = json_error
+_body = read_json  # the JSON body, parsed strictly (bodies.py): a body that is not JSON is refused 400
+PREVIEW_QUALITY = range(1, 101)
 
 
 def _inside(root: Path, *parts: str) -> Path | None:
-    """root/parts resolved, or None if that leaves root (.., absolute parts, links pointing out)."""
+    """root/parts resolved, or None if that leaves root (.., absolute parts, links pointing out, NUL bytes)."""
+    if any("\0" in p for p in parts):
+        return None
     base = root.resolve()
-    path = base.joinpath(*parts).resolve()
+    try:
+        path = base.joinpath(*parts).resolve()
+    except (OSError, ValueError):  # a name too long, a loop of links
+        return None
     return path if path == base or path.is_relative_to(base) else None
+
+
+def _preview(path: Path, fmt: str, quality: int) -> bytes | None:
+    """The image at `path` re-encoded as webp or jpeg (in a worker thread), or None when it is not an image."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    try:
+        with Image.open(path) as im:
+            (im.convert("RGB") if fmt == "jpeg" or im.mode not in ("RGB", "RGBA", "L") else im).save(
+                buf, format=fmt, quality=quality)
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError, TypeError, KeyError,
+            IndexError, ZeroDivisionError):  # what PIL raises on files that are not images it can write
+        return None
+    return buf.getvalue()
 
 
 class Routes:
@@ -71,10 +85,11 @@ class Routes:
                 ("GET", "/vramgraph/workflows/{name}", self.workflow)]
 
     async def websocket(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=0)
+        sid = request.rel_url.query.get("clientId") or ""
+        sid = sane_id(sid, "clientId") if sid else uuid.uuid4().hex
+        ws = web.WebSocketResponse(max_msg_size=MAX_INCOMING)
         await ws.prepare(request)
-        sid = request.rel_url.query.get("clientId") or uuid.uuid4().hex
-        self.hub.sockets[sid] = ws
+        self.hub.attach(sid, ws, request.transport)
         try:
             self.hub.send("status", {"status": self.worker.status(), "sid": sid}, sid)
             if self.worker.plan_message is not None and self.worker.client_id in (sid, None):
@@ -92,8 +107,7 @@ class Routes:
                     if formats.is_feature_flags(msg.data):
                         self.hub.send(formats.FEATURE_FLAGS, formats.features(formats.MAX_UPLOAD_SIZE), sid)
         finally:
-            if self.hub.sockets.get(sid) is ws:
-                del self.hub.sockets[sid]
+            self.hub.detach(sid, ws)
         return ws
 
     async def get_prompt(self, request: web.Request) -> web.Response:
@@ -102,30 +116,24 @@ class Routes:
     async def post_prompt(self, request: web.Request) -> web.Response:
         from ..graph.validate import validate
 
-        body = await _body(request)
-        if not isinstance(body, dict):
-            return _json_error(400, "the body must be a JSON object", "invalid_prompt")
-        if "number" in body:
-            number = float(body["number"])
+        req = prompt_request(await _body(request))
+        if req.number is not None:
+            number = req.number
         else:
-            number = -self.number if body.get("front") else self.number
+            number = -self.number if req.front else self.number
             self.number += 1
-        if "prompt" not in body:
-            return _json_error(400, "No prompt provided", "no_prompt")
-        prompt = body["prompt"]
-        pid = str(body.get("prompt_id") or uuid.uuid4())
-        outputs = body.get("partial_execution_targets")
+        prompt, outputs, pid = req.prompt, req.targets, req.prompt_id or str(uuid.uuid4())
+        if self.queue.known(pid):
+            return _duplicate(pid)
         loop = asyncio.get_running_loop()
         check = await loop.run_in_executor(None, lambda: validate(prompt, self.engine.nodes, self.engine.folders,
                                                                   outputs))
         if not check.ok:
             log.warning("invalid prompt: %s", check.error.get("message") if check.error else "")
             return web.json_response(check.response(), status=400)
-        extra = dict(body.get("extra_data") or {})
-        if "client_id" in body:
-            extra["client_id"] = body["client_id"]
-        extra["create_time"] = int(time.time() * 1000)  # as ComfyUI: /api/jobs sorts by it
-        self.queue.put((number, pid, prompt, extra, list(check.outputs)))
+        req.extra["create_time"] = int(time.time() * 1000)  # as ComfyUI: /api/jobs sorts by it
+        if not self.queue.put_new((number, pid, req.prompt, req.extra, list(check.outputs))):
+            return _duplicate(pid)
         self.hub.send("status", {"status": self.worker.status()})
         return web.json_response({"prompt_id": pid, "number": number, "node_errors": check.node_errors})
 
@@ -134,53 +142,60 @@ class Routes:
         return web.json_response({"queue_running": running, "queue_pending": pending}, dumps=_dumps)
 
     async def post_queue(self, request: web.Request) -> web.Response:
-        body = await _body(request) or {}
+        body = await read_object(request)
+        delete = id_list(body["delete"], "delete") if body.get("delete") is not None else []
         if body.get("clear"):
             self.queue.wipe()
-        for pid in body.get("delete", []) or []:
-            self.queue.delete(str(pid))
+        for pid in delete:
+            self.queue.delete(pid)
         self.hub.send("status", {"status": self.worker.status()})
         return web.Response(status=200)
 
     async def get_history(self, request: web.Request) -> web.Response:
-        raw = request.rel_url.query.get("max_items")
-        max_items = int(raw) if raw and raw.isdigit() else None
+        raw = request.rel_url.query.get("max_items", "")
+        max_items = int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 10 else None
         return web.json_response(self.queue.get_history(max_items=max_items), dumps=_dumps)
 
     async def get_history_item(self, request: web.Request) -> web.Response:
         return web.json_response(self.queue.get_history(request.match_info["prompt_id"]), dumps=_dumps)
 
     async def post_history(self, request: web.Request) -> web.Response:
-        body = await _body(request) or {}
+        body = await read_object(request)
+        delete = id_list(body["delete"], "delete") if body.get("delete") is not None else []
         if body.get("clear"):
             self.queue.delete_history()
-        for pid in body.get("delete", []) or []:
-            self.queue.delete_history(str(pid))
+        for pid in delete:
+            self.queue.delete_history(pid)
         return web.Response(status=200)
 
     async def view(self, request: web.Request) -> web.StreamResponse:
         q = request.rel_url.query
         name, root = q.get("filename", ""), self.folder(q.get("type"))
         if not name or root is None or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
-            return web.Response(status=400)
+            return _json_error(400, "bad file name or type", details="give filename (a name, no folders), "
+                               "subfolder and type (input, output or temp)")
         path = _inside(root, q.get("subfolder", ""), name)
         if path is None:
-            return web.Response(status=403)
-        if not path.is_file():
-            return web.Response(status=404)
-        headers = {"Content-Disposition": f'filename="{name}"'}
+            return _json_error(403, "that file is outside the input, output and temp folders", "forbidden")
+        try:
+            if not path.is_file():
+                return _json_error(404, "no such file", "not_found")
+        except OSError:
+            return _json_error(404, "no such file", "not_found")
+        content_type, headers = view_headers(name)
         preview = q.get("preview")
         if preview:
-            from PIL import Image
-
             fmt, _, quality = preview.partition(";")
             fmt = fmt if fmt in ("webp", "jpeg") else "webp"
-            buf = io.BytesIO()
-            with Image.open(path) as im:
-                (im.convert("RGB") if fmt == "jpeg" else im).save(buf, format=fmt,
-                                                                  quality=int(quality) if quality.isdigit() else 90)
-            return web.Response(body=buf.getvalue(), content_type=f"image/{fmt}", headers=headers)
-        return web.FileResponse(path, headers=headers)
+            level = int(quality) if quality.isascii() and quality.isdigit() and len(quality) < 6 else 90
+            if quality.isascii() and quality.isdigit() and level not in PREVIEW_QUALITY:
+                return _json_error(400, "preview quality must be 1 to 100", details=f"preview={fmt};<1..100>")
+            data = await asyncio.get_running_loop().run_in_executor(None, _preview, path, fmt, level)
+            if data is None:
+                return _json_error(400, "this file is not an image that can be previewed", "not_an_image")
+            return web.Response(body=data, content_type=f"image/{fmt}", headers={
+                **headers, "Content-Disposition": headers["Content-Disposition"].replace("attachment", "inline")})
+        return web.FileResponse(path, headers={**headers, "Content-Type": content_type})
 
     async def object_info(self, request: web.Request) -> web.Response:
         loop = asyncio.get_running_loop()
@@ -193,18 +208,34 @@ class Routes:
         return web.json_response(formats.object_info(nodes, self.engine.folders), dumps=_dumps)
 
     async def upload_image(self, request: web.Request) -> web.Response:
-        post = await request.post()
+        from ..nodes.files import IMAGE_EXTENSIONS
+
+        try:
+            post = await request.post()
+        except web.HTTPException:
+            raise
+        except Exception as e:  # aiohttp's multipart parser on a malformed body: ValueError, AssertionError, ...
+            raise BadRequest("the body is not a readable form", f"send multipart/form-data with an 'image' file "
+                             f"({type(e).__name__})") from None
         image = post.get("image")
         kind = str(post.get("type") or "input")
         root = self.folder(kind)
         filename = getattr(image, "filename", None)
-        if root is None or not filename or Path(filename).name != filename or filename in (".", ".."):
-            return web.Response(status=400)
+        if root is None or not filename or Path(filename).name != filename or filename in (".", "..") \
+                or not filename.isprintable() or len(filename) > 255:
+            return _json_error(400, "bad image name or type", details="send an 'image' file whose name has no "
+                               "folders, and type input, output or temp")
+        if not filename.lower().endswith(IMAGE_EXTENSIONS):
+            return _json_error(400, "only images can be uploaded", "invalid_image",
+                               details=f"{filename[:100]!r}: the name must end in one of {', '.join(IMAGE_EXTENSIONS)}")
         subfolder = str(post.get("subfolder") or "")
         folder = _inside(root, subfolder)
-        if folder is None:
-            return web.Response(status=400)
+        if folder is None or not subfolder.isprintable():
+            return _json_error(400, "bad subfolder", details="a subfolder inside the input, output or temp folder")
         data = image.file.read()
+        if await asyncio.get_running_loop().run_in_executor(None, uploaded_image_format, data) is None:
+            return _json_error(400, "only images can be uploaded", "invalid_image",
+                               details=f"{filename[:100]!r} is not a PNG, JPEG, WebP, GIF, BMP or TIFF image")
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / filename
         if str(post.get("overwrite") or "") not in ("true", "1"):
@@ -220,11 +251,13 @@ class Routes:
     async def interrupt(self, request: web.Request) -> web.Response:
         body = await _body(request) if request.can_read_body else None
         wanted = body.get("prompt_id") if isinstance(body, dict) else None
-        self.worker.interrupt(str(wanted) if wanted else None)  # with an id: that running prompt alone
+        if wanted is not None:
+            wanted = sane_id(wanted, "prompt_id")
+        self.worker.interrupt(wanted)  # with an id: that running prompt alone; without: what is running
         return web.Response(status=200)
 
     async def free(self, request: web.Request) -> web.Response:
-        body = await _body(request) or {}
+        body = await read_object(request)
         for flag in ("unload_models", "free_memory"):
             if body.get(flag):
                 self.queue.set_flag(flag, True)
@@ -260,7 +293,7 @@ class Routes:
             return _json_error(400, 'send {"prompt": <API format>, "workflow": <UI format it came from, optional>}')
         try:
             ui = formats.api_to_ui(prompt, self.engine.nodes, body.get("workflow"))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             return _json_error(400, f"cannot write this prompt in UI format: {e}")
         return web.json_response(ui, dumps=_dumps)
 
@@ -282,7 +315,10 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
     from ..graph.planner import PlanError
     from ..graph.timeline import timeline_data, timeline_svg
 
-    body = await _body(request)
+    try:  # inside ComfyUI (add_comfy_routes) no middleware of ours answers a BadRequest
+        body = await _body(request)
+    except BadRequest as e:
+        return e.response()
     prompt = body.get("prompt") if isinstance(body, dict) else None
     if not isinstance(prompt, dict):
         return _json_error(400, 'send {"prompt": <API-format workflow>}', "invalid_prompt")
@@ -306,6 +342,11 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
                               "table": plan.table()}, dumps=_dumps)
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, default=str)
+_dumps = dumps  # JSON a browser can parse (no NaN)
+
+
+def _duplicate(pid: str) -> web.Response:
+    return _json_error(400, "prompt_id is already in use", "duplicate_prompt_id",
+                       details=f"prompt {pid[:80]!r} is queued, running or in the history; send a new prompt_id "
+                       "or none (the server then makes one)")
 

@@ -48,3 +48,12 @@ def test_bad_input_and_no_half_written_file(tmp_path):
     png.write(target, np.full((3, 3, 3), 200, np.uint8), {"k": "v"})
     assert [p.name for p in tmp_path.iterdir()] == ["a.png"]
     assert _read(target.read_bytes())[1]["k"] == "v"
+
+
+def test_a_failed_save_leaves_no_part_file(tmp_path):
+    """The rename onto the final name fails (a folder has that name): the temporary .part file is removed."""
+    (tmp_path / "taken.png").mkdir()
+    with pytest.raises(OSError):
+        png.write(tmp_path / "taken.png", np.full((3, 3, 3), 10, np.uint8))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.png"]
+    assert (tmp_path / "taken.png").is_dir()

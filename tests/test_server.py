@@ -460,6 +460,87 @@ def test_page_and_scripts_are_served(server):
     assert requests.get(server.url + "/web/style.css", timeout=10).status_code == 200
 
 
+def test_origin_checks_by_default_and_the_cors_opt_out(server, folders):
+    """By default a page of another site is refused; --enable-cors-header [ORIGIN] answers it as ComfyUI does."""
+    from vramgraph.cli.main import _parser
+    from vramgraph.graph.executor import Engine
+    from vramgraph.server.app import ServerThread, make_app
+
+    foreign = {"Origin": "http://app.example"}
+    assert requests.get(server.url + "/queue", headers=foreign, timeout=10).status_code == 403
+    assert requests.options(server.url + "/prompt", headers=foreign, timeout=10).status_code == 403
+    assert requests.get(server.url + "/queue", headers={"Origin": server.url}, timeout=10).status_code == 200
+    assert _parser().parse_args(["serve", "--enable-cors-header"]).enable_cors_header == "*"
+    assert _parser().parse_args(["serve", "--enable-cors-header", "http://app.example"]).enable_cors_header == \
+        "http://app.example"
+    assert _parser().parse_args(["serve"]).enable_cors_header is None
+    app = make_app(Engine(folders, nodes=NODES), start_worker=False, cors="http://app.example")
+    with ServerThread(app) as srv:
+        r = requests.get(srv.url + "/queue", headers=foreign, timeout=10)
+        assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == "http://app.example"
+        pre = requests.options(srv.url + "/prompt", headers={**foreign, "Access-Control-Request-Method": "POST"},
+                               timeout=10)
+        assert pre.status_code == 200 and "POST" in pre.headers["Access-Control-Allow-Methods"]
+        assert "Content-Type" in pre.headers["Access-Control-Allow-Headers"]
+        r = requests.post(srv.url + "/prompt", json={"prompt": {}}, headers={**foreign, "Host": "evil.example"},
+                          timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "prompt_no_outputs", "checks opted out"
+
+
+def test_a_client_whose_queue_overflows_is_dropped_alone(folders):
+    """Messages for one client beyond its queue's bound drop that client; another client's messages still arrive."""
+    import aiohttp
+    from vramgraph.graph.executor import Engine
+    from vramgraph.server.app import ROUTES, ServerThread, make_app
+
+    app = make_app(Engine(folders, nodes=NODES), start_worker=False)
+    hub = app[ROUTES].hub
+    hub.queue_size = 4
+
+    async def go(url: str) -> tuple[list, list, set]:
+        async with aiohttp.ClientSession() as s, s.ws_connect(url + "/ws?clientId=flood") as flood, \
+                s.ws_connect(url + "/ws?clientId=calm") as calm:
+            assert (await flood.receive_json(timeout=10))["type"] == "status"
+            assert (await calm.receive_json(timeout=10))["type"] == "status"
+
+            def burst() -> None:  # one turn of the event loop: the flood client's sender cannot keep up
+                for i in range(10):
+                    hub.send("flood", {"i": i}, "flood")
+                hub.send("calm", {"i": 0}, "calm")
+
+            hub.loop.call_soon_threadsafe(burst)
+            got = [await calm.receive_json(timeout=10)]
+            flooded = []
+            while (msg := await flood.receive(timeout=10)).type == aiohttp.WSMsgType.TEXT:
+                flooded.append(json.loads(msg.data)["data"]["i"])
+            return got, flooded, set(hub.sockets)
+
+    with ServerThread(app) as srv:
+        got, flooded, connected = asyncio.run(go(srv.url))
+    assert got == [{"type": "calm", "data": {"i": 0}}]
+    assert flooded == [], "the fifth message dropped the client at once: its connection aborted, nothing more sent"
+    assert connected == {"calm"}
+
+
+def test_history_is_bounded_in_entries_and_bytes():
+    from vramgraph.server.queue import PromptQueue
+
+    q = PromptQueue(max_history=3, max_history_bytes=10_000)
+    for i in range(5):
+        q.done(f"p{i}", {"outputs": {}, "n": i})
+    assert list(q.history) == ["p2", "p3", "p4"]
+    q.done("big", {"blob": "x" * 9_950})  # 9962 bytes: with p4 (23) still within 10_000, not with p3 too
+    assert list(q.history) == ["p4", "big"], "the oldest go while the entries pass the byte bound"
+    q.done("huge", {"blob": "x" * 50_000})
+    assert list(q.history) == ["huge"], "the newest entry stays, even alone over the bound"
+    q.update_history("huge", "blob", "small")
+    q.done("p5", {"n": 5})
+    assert list(q.history) == ["huge", "p5"]
+    q.delete_history("huge")
+    q.delete_history()
+    assert q.history == {} and q._history_bytes == 0
+
+
 # ------------------------------------------------------------------------------------------ batches
 
 

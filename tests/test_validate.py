@@ -99,6 +99,26 @@ def test_only_what_outputs_need_is_validated_and_run(folders: Folders) -> None:
     assert v.ok and v.node_errors == {} and "20" not in v.dag
 
 
+def test_undeclared_inputs_are_ignored_with_a_warning(folders: Folders, caplog: pytest.LogCaptureFixture) -> None:
+    """As ComfyUI: an input key the node does not declare passes validation and is left out of the prompt run."""
+    p = prompt(**{"9": {"class_type": "RandomNoise", "inputs": {"noise_seed": 42, "colour": "blue", "vg": [1, 2]}}})
+    with caplog.at_level("WARNING", logger="vramgraph.validate"):
+        v = validate(p, ENGINE_NODES, folders)
+    assert v.ok and v.node_errors == {}
+    assert v.prompt["9"]["inputs"] == {"noise_seed": 42}
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "node 9 (RandomNoise): input 'colour'" in warned and "'vg'" in warned and "ignored" in warned
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999", float("inf")])
+def test_a_float_input_must_be_finite(folders: Folders, value: object) -> None:
+    p = prompt(**{"6": {**KLEIN["6"], "inputs": {**KLEIN["6"]["inputs"], "cfg": value}}})
+    v = validate(p, ENGINE_NODES, folders)
+    assert not v.ok
+    (error,) = v.node_errors["6"]["errors"]
+    assert error["type"] == "invalid_input_type" and "not a finite number" in error["details"], error
+
+
 def test_literals_are_converted_like_comfyui(folders: Folders) -> None:
     p = prompt(**{"8": {"class_type": "Flux2Scheduler", "inputs": {"steps": "4", "width": 1024.0, "height": "1024"}},
                   "6": {"class_type": "CFGGuider", "inputs": {**KLEIN["6"]["inputs"], "cfg": "3.5"}},

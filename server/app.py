@@ -209,7 +209,8 @@ def serve(args: argparse.Namespace) -> int:
         folder.mkdir(parents=True, exist_ok=True)
     engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
     app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()),
-                   cors=getattr(args, "enable_cors_header", None))
+                   cors=getattr(args, "enable_cors_header", None),
+                   user_dir=Path(args.user_dir).expanduser() if getattr(args, "user_dir", None) else None)
 
     async def main() -> None:
         runner = web.AppRunner(app, handle_signals=True)

@@ -159,12 +159,18 @@ def test_ctrl_c_is_one_line_and_exit_130(empty: Path) -> None:
 
 
 def test_serve_says_where_it_listens_once_it_does(empty: Path) -> None:
-    proc = _start(["serve", "--demo", "--port", "0"], empty)
+    """... and serves ComfyUI's user folder given by --user-dir to the front end's /settings, read-only."""
+    settings = empty / "user" / "default" / "comfy.settings.json"
+    settings.parent.mkdir(parents=True)
+    settings.write_text(json.dumps({"Comfy.ColorPalette": "light"}))
+    proc = _start(["serve", "--demo", "--port", "0", "--user-dir", str(empty / "user")], empty)
     try:
         line, _ = _wait_for(proc, "vramgraph serve on http://127.0.0.1:")
         url = line.split(" on ", 1)[1].split()[0]
         with urllib.request.urlopen(f"{url}/system_stats", timeout=30) as r:  # listening already
             assert r.status == 200 and "system" in json.loads(r.read())
+        with urllib.request.urlopen(f"{url}/settings", timeout=30) as r:
+            assert json.loads(r.read()) == {"Comfy.ColorPalette": "light"}
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:

@@ -14,10 +14,9 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from serving import serve_process
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 180
@@ -53,48 +53,17 @@ class Server:
         return self.log.read_text(errors="replace")[-4000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
 
     tmp = tmp_path_factory.mktemp("hostile")
-    models = write_tiny_models(tmp / "models", names=SHIPPED_NAMES)
+    write_tiny_models(tmp / "models", names=SHIPPED_NAMES)
     inp, out = tmp / "input", tmp / "output"
     inp.mkdir()
     out.mkdir()
-    port = _free_port()
-    log = tmp / "serve.log"
-    cmd = [sys.executable, "-m", "vramgraph", "serve", "--host", "127.0.0.1", "--port", str(port), "--models",
-           str(models), "--input", str(inp), "--output", str(out), "--device", "cpu"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=tmp, stdout=f, stderr=subprocess.STDOUT)
-    srv = Server(f"http://127.0.0.1:{port}", port, proc, inp, out, log)
-    end = time.monotonic() + START_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"vramgraph serve exited with {proc.returncode}:\n{srv.tail()}")
-        try:
-            if requests.get(srv.url + "/system_stats", timeout=5).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        if time.monotonic() > end:
-            proc.kill()
-            pytest.fail(f"vramgraph serve did not listen within {START_TIMEOUT} s:\n{srv.tail()}")
-        time.sleep(0.2)
-    yield srv
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    with serve_process(tmp, timeout=START_TIMEOUT) as (url, proc, log):
+        yield Server(url, int(url.rsplit(":", 1)[1]), proc, inp, out, log)
 
 
 def text_to_image(size: int = 64, steps: int = 2, prefix: str = "hostile") -> dict:

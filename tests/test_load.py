@@ -11,27 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from serving import serve_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS, PER_CLIENT = 8, 25
 DELETE_EVERY, INTERRUPT_EVERY = 6, 7  # prompt i of a client is deleted when i % 6 == 5, interrupted when i % 7 == 3
 START_TIMEOUT, RUN_TIMEOUT = 120, 600  # bounds, not expectations: the run takes well under a minute alone
 ENDS = ("execution_success", "execution_interrupted", "execution_error")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt(client: int, i: int) -> dict:
@@ -46,41 +37,14 @@ def _prompt(client: int, i: int) -> dict:
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     """`python -m vramgraph serve` on a free loopback port over tiny models, stopped at the end."""
-    import requests
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
 
     tmp = tmp_path_factory.mktemp("load")
     write_tiny_models(tmp / "models", names=SHIPPED_NAMES)
-    (tmp / "config.json").write_text("{}")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("VRAMGRAPH_CONFIG", "VRAMGRAPH_MODELS")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # one compute thread: on 2 shared cores more threads only
-    # wait for each other (16 tiny 64x64 images: 3.5 s with one thread, 40 s with two, measured beside other jobs)
-    log = (tmp / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "vramgraph", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--models", str(tmp / "models"), "--input", str(tmp / "input"), "--output",
-                             str(tmp / "output"), "--config", str(tmp / "config.json"), "--device", "cpu"],
-                            cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        end = time.monotonic() + START_TIMEOUT
-        while True:
-            assert proc.poll() is None, f"the server exited: {(tmp / 'server.log').read_text()[-2000:]}"
-            assert time.monotonic() < end, "the server did not start listening"
-            try:
-                if requests.get(url + "/system_stats", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.2)
+    # one compute thread: on 2 shared cores more threads only wait for each other (16 tiny 64x64 images: 3.5 s with
+    # one thread, 40 s with two, measured beside other jobs)
+    with serve_process(tmp, env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, timeout=START_TIMEOUT) as (url, _, _):
         yield url, tmp
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
 
 
 async def _client(url: str, c: int, all_pids: set[str]) -> dict[str, Any]:

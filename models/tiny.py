@@ -10,12 +10,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from .flux2 import KLEIN_4B, Flux2Transformer
-from .qwen3 import Qwen3Config, Qwen3Encoder
-from .vae import Flux2VAE, VAEConfig
+from .flux2_config import KLEIN_4B
+from .qwen3_config import Qwen3Config
+from .vae_config import VAEConfig
 
 TINY_QWEN3 = dataclasses.replace(Qwen3Config(), hidden_size=64, intermediate_size=128, num_layers=27, num_heads=4,
                                  num_kv_heads=2, head_dim=16)
@@ -32,8 +29,16 @@ def write_tiny_models(models: Path, seed: int = 0, names: dict[str, str | list[s
     """A ComfyUI-style models/ folder holding tiny random-weight checkpoints; returns it.
 
     `names` gives the file name(s) per component ("transformer", "text_encoder", "vae"), so that a
-    workflow's file names can be served by tiny models.
+    workflow's file names can be served by tiny models. Torch is imported here, not with the module: the names and
+    configs above are plain data (a demo whose files exist already plans and validates without torch).
     """
+    import torch
+    from safetensors.torch import save_file
+
+    from .flux2 import Flux2Transformer
+    from .qwen3 import Qwen3Encoder
+    from .vae import Flux2VAE
+
     torch.manual_seed(seed)
     names = {**TINY_NAMES, **(names or {})}
     weights = {

@@ -198,3 +198,14 @@ def test_validate_with_missing_files_imports_no_torch(tmp_path: Path) -> None:
     done, torch_loaded = _command(["validate", str(WORKFLOW)], tmp_path)
     assert done.returncode == 1 and "value_not_in_list" in done.stdout + done.stderr
     assert torch_loaded is False
+
+
+def test_a_demo_whose_files_exist_validates_and_plans_without_torch(tmp_path: Path) -> None:
+    """The first `--demo` writes the tiny models (that needs torch); later ones only read their headers."""
+    done, _ = _command(["validate", str(WORKFLOW), "--demo"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    plan = ["plan", str(WORKFLOW), "--demo", "--vram", "12GiB", "--svg", ""]
+    for argv in (["validate", str(WORKFLOW), "--demo"], plan):
+        done, torch_loaded = _command(argv, tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert torch_loaded is False, argv

@@ -160,9 +160,10 @@ class CLIPTextEncode:
 
         vg = vg or comfy_context(self)
         if vg.variant == "stream":
-            emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device)
+            emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device,
+                                           vg.check_interrupted)
         else:
-            emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text])
+            emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text], vg.check_interrupted)
         return (conditioning(emb),)
 
 
@@ -421,7 +422,7 @@ class VAEDecode:
         from . import ops
 
         vg = vg or comfy_context(self)
-        return (ops.vae_decode(vg.module(vae), samples["samples"], vg.variant),)
+        return (ops.vae_decode(vg.module(vae), samples["samples"], vg.variant, vg.check_interrupted),)
 
 
 def image_bytes(image: ImageInfo) -> int:
@@ -446,7 +447,7 @@ class VAEEncode:
         from . import ops
 
         vg = vg or comfy_context(self)
-        return ({"samples": ops.vae_encode(vg.module(vae), pixels)},)
+        return ({"samples": ops.vae_encode(vg.module(vae), pixels, vg.check_interrupted)},)
 
 
 class LoadImage:

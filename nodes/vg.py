@@ -182,7 +182,7 @@ class VGReferenceImage:
         module = vg.module(vae)
         for pil in ops.to_pil(image):
             pixels = prepare_reference(pil)
-            lat = module.encode(pixels.to(next(module.parameters()).device)).float().cpu()
+            lat = module.encode(pixels.to(next(module.parameters()).device), vg.check_interrupted).float().cpu()
             conditioning = with_reference(conditioning, lat)
         return (conditioning,)
 

@@ -5,7 +5,9 @@ drops the nodes whose outputs are cached (same input signature as before) and as
 for a Plan; `Engine.run` then executes the plan step by step: Load/Unload through the residency
 ledger, Run by calling the node. Each Run's real GPU peak is measured and reported against the
 prediction. A failing node (an allocation failure included) stops the run with an error that names
-it; no later node runs, so no PNG is written from partial work, and the next run starts clean.
+it; no later node runs, so no PNG is written from partial work. The nodes that finished before a failure
+or an interrupt stay cached, so the next run starts at the node that stopped. A node's signature holds
+what its `IS_CHANGED` says of the files it reads (graph/planning.py), so a changed file runs it again.
 
 A run can also lose some of its outputs while it goes on (`Cancel`, a targeted interrupt of one prompt
 of a merged queue): the nodes that only those outputs need are left out of the rest of the plan (the

@@ -2,8 +2,9 @@
 
 `prepare` is what `Engine.prepare` does and what `vramgraph plan` needs on its own: validate the prompt,
 estimate every node from shapes (model sizes from the catalogue: checkpoint headers, or the built-in
-klein specs), drop the nodes whose outputs are cached (same input signature as before) and ask the
-planner for a Plan. `Planning` holds its settings for callers that plan without an Engine.
+klein specs), drop the nodes whose outputs are cached (same input signature as before: the same inputs
+and the same files read, by each file-reading node's `IS_CHANGED`) and ask the planner for a Plan.
+`Planning` holds its settings for callers that plan without an Engine.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ drops the nodes whose outputs are cached (same input signature as before) and as
 for a Plan; `Engine.run` then executes the plan step by step: Load/Unload through the residency
 ledger, Run by calling the node. Each Run's real GPU peak is measured and reported against the
 prediction. A failing node (an allocation failure included) stops the run with an error that names
-it; no later node runs, so no PNG is written from partial work, and the next run starts clean.
+it; no later node runs, so no PNG is written from partial work. The nodes that finished before a failure
+or an interrupt stay cached, so the next run starts at the node that stopped. A node's signature holds
+what its `IS_CHANGED` says of the files it reads (graph/planning.py), so a changed file runs it again.
 
 A run can also lose some of its outputs while it goes on (`Cancel`, a targeted interrupt of one prompt
 of a merged queue): the nodes that only those outputs need are left out of the rest of the plan (the
@@ -282,13 +284,23 @@ class Engine:
         """Validate, estimate and plan `prompt` (API format) from where the weights are now and what is cached;
         `outputs` limits the output nodes run (ComfyUI's partial_execution_targets), None runs them all.
         Raises ValidationFailed or planner.PlanError."""
-        resident = {key: planner.ModelCost(key, e.info.nbytes, e.info.label) for key, e in self.ledger.entries.items()}
-        prep = prepare(prompt, self.nodes, self.folders, self.catalog, self.budget, self.cost, repeat=repeat,
-                       outputs=outputs, cached=self._cache.keys(),
-                       start=planner.Residency(self.ledger.on_gpu, self.ledger.pinned), resident=resident)
-        for info in (o for c in prep.costs.values() for o in c.outputs if isinstance(o, ModelInfo)):
+        prep = self._prepare(prompt, repeat, outputs)
+        infos = [o for c in prep.costs.values() for o in c.outputs if isinstance(o, ModelInfo)]
+        held = self.ledger.entries
+        stale = {i.key for i in infos if i.key in held and held[i.key].info.source != i.source}
+        if stale:  # a model file replaced since its weights were read: drop them and plan again from the file
+            log.info("model files changed on disk, their weights are read again: %s", ", ".join(sorted(stale)))
+            self.ledger.forget(set(held) - stale)
+            prep = self._prepare(prompt, repeat, outputs)
+        for info in infos:
             self.ledger.register(info)
         return prep
+
+    def _prepare(self, prompt: dict, repeat: bool, outputs: Iterable[str] | None) -> Prepared:
+        resident = {key: planner.ModelCost(key, e.info.nbytes, e.info.label) for key, e in self.ledger.entries.items()}
+        return prepare(prompt, self.nodes, self.folders, self.catalog, self.budget, self.cost, repeat=repeat,
+                       outputs=outputs, cached=self._cache.keys(),
+                       start=planner.Residency(self.ledger.on_gpu, self.ledger.pinned), resident=resident)
 
     # -- running
     def run(self, prompt: dict | Prepared, *, extra_pnginfo: dict | None = None, prompt_id: str | None = None,
@@ -309,17 +321,23 @@ class Engine:
                 for i, ps in enumerate(prep.plan.steps):
                     self._step(i, ps, prep, values, result, extra_pnginfo, events)
             except BaseException:
+                self._keep(prep, values)  # interrupted or failed: the nodes that finished stay cached
                 self._release()
                 raise
             finally:
                 self._cuts = None
-            self._cache = {prep.signatures[n]: values[n] for n in prep.dag.nodes if n in values}
+            self._keep(prep, values)
             self.ledger.forget(_models_in(self._cache.values()))
             self._release()
             result.seconds = time.perf_counter() - t0
             events("executing", {"node": None, "prompt_id": pid})
             events("execution_success", {"prompt_id": pid})
             return result
+
+    def _keep(self, prep: Prepared, values: Mapping) -> None:
+        """The output cache after a run: every node of this prompt that has its outputs (cached or finished),
+        under its signature; outputs of earlier prompts that this one does not share are dropped."""
+        self._cache = {prep.signatures[n]: values[n] for n in prep.dag.nodes if n in values}
 
     def prepare_queue(self, prompts: list[dict], extra_pnginfo: list[dict | None] | None = None,
                       outputs: list[list[str] | None] | None = None) -> tuple[Prepared, queue.Merged]:

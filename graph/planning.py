@@ -2,8 +2,9 @@
 
 `prepare` is what `Engine.prepare` does and what `vramgraph plan` needs on its own: validate the prompt,
 estimate every node from shapes (model sizes from the catalogue: checkpoint headers, or the built-in
-klein specs), drop the nodes whose outputs are cached (same input signature as before) and ask the
-planner for a Plan. `Planning` holds its settings for callers that plan without an Engine.
+klein specs), drop the nodes whose outputs are cached (same input signature as before: the same inputs
+and the same files read, by each file-reading node's `IS_CHANGED`) and ask the planner for a Plan.
+`Planning` holds its settings for callers that plan without an Engine.
 """
 
 from __future__ import annotations
@@ -40,15 +41,33 @@ class Prepared:
     hidden: Mapping[str, tuple[dict, dict | None]] = field(default_factory=dict)  # queued: node -> own prompt, pnginfo
 
 
-def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph) -> dict[str, str]:
-    """Per node a hash of its class and inputs, linked inputs by their source's signature (ComfyUI's cache key)."""
+def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph, changed: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Per node a hash of its class, its inputs (linked inputs by their source's signature, so a change anywhere
+    reaches every node after it) and its `changed` value: what `IS_CHANGED` said of the files it reads (ComfyUI's
+    cache key)."""
     sig: dict[str, str] = {}
+    changed = changed or {}
     for node in nx.topological_sort(dag):
         spec = prompt[node]
         inputs = {k: ["link", sig.get(v[0], v[0]), v[1]] if is_link(v) else v for k, v in spec["inputs"].items()}
-        text = json.dumps([spec["class_type"], inputs], sort_keys=True, default=str)
+        key = [spec["class_type"], inputs] + ([changed[node]] if node in changed else [])
+        text = json.dumps(key, sort_keys=True, default=str)
         sig[node] = hashlib.sha256(text.encode()).hexdigest()[:24]
     return sig
+
+
+def changes(prompt: Mapping[str, dict], dag: nx.DiGraph, nodes: Mapping[str, type], folders: Folders,
+            costs: Mapping[str, Any]) -> dict[str, Any]:
+    """Per node with an `IS_CHANGED` classmethod (the nodes that read files: images, masks, models) its value now,
+    from its inputs (a linked one by the value its source is known to give ahead of time, e.g. a primitive's)."""
+    known = {n: c.outputs for n, c in costs.items()}
+    out: dict[str, Any] = {}
+    for node in dag.nodes:
+        cls = nodes[prompt[node]["class_type"]]
+        if callable(getattr(cls, "IS_CHANGED", None)):
+            inputs = inputs_with_defaults(cls, estimate.inputs_of(prompt, node, known), folders)
+            out[node] = cls.IS_CHANGED(folders=folders, **inputs)
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,7 +107,7 @@ def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: 
     prompt = {n: check.prompt[n] for n in check.dag.nodes}
     costs = estimate.propagate(prompt, check.dag, nodes, catalog,
                                lambda cls, inp: inputs_with_defaults(cls, inp, folders))
-    sigs = signatures(prompt, check.dag)
+    sigs = signatures(prompt, check.dag, changes(prompt, check.dag, nodes, folders, costs))
     held = set(cached)
     done = tuple(n for n in check.dag.nodes if sigs[n] in held)
     node_costs, models = estimate.planner_inputs(prompt, costs)

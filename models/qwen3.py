@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import gzip
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import cast
 
@@ -125,8 +125,10 @@ class Qwen3Encoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids (B, L) long, attention_mask (B, L) of 0/1 -> (B, L, len(output_layers) * hidden)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                between: Callable[[], None] | None = None) -> torch.Tensor:
+        """input_ids (B, L) long, attention_mask (B, L) of 0/1 -> (B, L, len(output_layers) * hidden); `between`
+        is called after every layer (a running node's interrupt check)."""
         x = self.embed_tokens(input_ids)
         n = input_ids.shape[1]
         cos, sin = self.rope(n, x.device, x.dtype)
@@ -138,10 +140,12 @@ class Qwen3Encoder(nn.Module):
             x = layer(x, cos, sin, mask)
             if i + 1 in wanted:
                 outs[i + 1] = x
+            if between is not None:
+                between()
         return torch.cat([outs[k] for k in self.cfg.output_layers], dim=-1)
 
-    def forward_streamed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         device: torch.device) -> torch.Tensor:
+    def forward_streamed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, device: torch.device,
+                         between: Callable[[], None] | None = None) -> torch.Tensor:
         """`forward` with the weights left in (pinned) host memory: the embedding lookup runs on the host and
         each layer's weights are copied to `device` while the previous layer computes, so at most two layers
         are on the device at once. Same operations on the same device, so the same numbers as `forward`."""
@@ -181,6 +185,8 @@ class Qwen3Encoder(nn.Module):
             del weights
             if i + 1 in wanted:
                 outs[i + 1] = x
+            if between is not None:
+                between()
         return torch.cat([outs[k] for k in self.cfg.output_layers], dim=-1)
 
 
@@ -269,15 +275,16 @@ class PromptTokenizer:
 
 @torch.inference_mode()
 def encode_prompts_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, prompts: list[str],
-                            device: torch.device) -> torch.Tensor:
+                            device: torch.device, between: Callable[[], None] | None = None) -> torch.Tensor:
     """`encode_prompts` with the encoder's weights in host memory, streamed to `device` layer by layer."""
     ids, mask = tokenizer.encode(prompts)
-    return encoder.forward_streamed(ids, mask, torch.device(device))
+    return encoder.forward_streamed(ids, mask, torch.device(device), between)
 
 
 @torch.inference_mode()
-def encode_prompts(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, prompts: list[str]) -> torch.Tensor:
+def encode_prompts(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, prompts: list[str],
+                   between: Callable[[], None] | None = None) -> torch.Tensor:
     """Prompts -> FLUX.2-klein conditioning (B, max_length, len(output_layers) * hidden) on the encoder's device."""
     ids, mask = tokenizer.encode(prompts)
     device = encoder.embed_tokens.weight.device
-    return encoder(ids.to(device), mask.to(device))
+    return encoder(ids.to(device), mask.to(device), between)

@@ -11,7 +11,7 @@ normalises it with the BatchNorm running statistics kept in `bn`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,8 @@ from .vae_config import _check_parts as _check_parts
 from .vae_config import config_from_checkpoint as config_from_checkpoint
 from .vae_config import parameter_shapes as parameter_shapes
 from .vae_config import sources as sources
+
+Between = Callable[[], None] | None  # called between blocks of a long encode or decode (an interrupt check)
 
 # ---------------------------------------------------------------------------------------------------
 # layers
@@ -133,9 +135,11 @@ class Level(nn.Module):
         elif resample == "upsample":
             self.upsample = Upsample(cout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, between: Between = None) -> torch.Tensor:
         for blk in self.block:
             x = blk(x)
+            if between is not None:
+                between()
         return getattr(self, self.resample)(x) if self.resample else x
 
 
@@ -153,11 +157,11 @@ class Encoder(nn.Module):
         self.quant_conv = nn.Conv2d(2 * cfg.latent_channels, 2 * cfg.latent_channels, 1)
         self.latent_channels = cfg.latent_channels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, between: Between = None) -> torch.Tensor:
         """Pixels (B, C, H, W) -> the mean of the latent distribution (B, latent, H/8, W/8)."""
         h = self.conv_in(x)
         for level in self.down:
-            h = level(h)
+            h = level(h, between)
         h = self.conv_out(F.silu(group_norm(self.mid(h), self.norm_out), inplace=True))
         lc = self.latent_channels  # only the mean half of quant_conv is needed
         return F.conv2d(h, self.quant_conv.weight[:lc], self.quant_conv.bias[:lc])
@@ -177,10 +181,12 @@ class Decoder(nn.Module):
         self.norm_out = nn.GroupNorm(cfg.norm_groups, ch[0], cfg.eps)
         self.conv_out = nn.Conv2d(ch[0], cfg.out_channels, 3, padding=1)
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, between: Between = None) -> torch.Tensor:
         h = self.mid(self.conv_in(self.post_quant_conv(z)))
+        if between is not None:
+            between()
         for level in reversed(self.up):
-            h = level(h)
+            h = level(h, between)
         return self.conv_out(F.silu(group_norm(h, self.norm_out), inplace=True))
 
 
@@ -235,25 +241,27 @@ class Flux2VAE(nn.Module):
         mean, std = self._stats(latents.dtype)
         return unpatchify(torch.addcmul(mean, latents, std), self.cfg.patch)
 
-    def encode_moments_mean(self, images: torch.Tensor) -> torch.Tensor:
+    def encode_moments_mean(self, images: torch.Tensor, between: Between = None) -> torch.Tensor:
         """Pixels in [-1, 1] (B, 3, H, W) -> raw latent mean (B, 32, H/8, W/8) (diffusers' `.mode()`)."""
         if self.encoder is None:
             raise RuntimeError("this Flux2VAE was built without its encoder (parts=('decoder',))")
-        return self.encoder(images.to(self._dtype()))
+        return self.encoder(images.to(self._dtype()), between)
 
-    def decode_unpacked(self, z: torch.Tensor) -> torch.Tensor:
+    def decode_unpacked(self, z: torch.Tensor, between: Between = None) -> torch.Tensor:
         """Raw latent (B, 32, h, w) -> pixels (B, 3, 8h, 8w), roughly in [-1, 1] (not clamped)."""
         if self.decoder is None:
             raise RuntimeError("this Flux2VAE was built without its decoder (parts=('encoder',))")
-        return self.decoder(z.to(self._dtype()))
+        return self.decoder(z.to(self._dtype()), between)
 
-    def encode(self, images: torch.Tensor) -> torch.Tensor:
-        """Pixels in [-1, 1] (B, 3, H, W) -> normalised packed latent (B, 128, H/16, W/16)."""
-        return self.pack(self.encode_moments_mean(images))
+    def encode(self, images: torch.Tensor, between: Between = None) -> torch.Tensor:
+        """Pixels in [-1, 1] (B, 3, H, W) -> normalised packed latent (B, 128, H/16, W/16); `between` is called
+        after every resnet block (a running node's interrupt check)."""
+        return self.pack(self.encode_moments_mean(images, between))
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised packed latent (B, 128, h, w) -> pixels (B, 3, 16h, 16w), roughly in [-1, 1]."""
-        return self.decode_unpacked(self.unpack(latents.to(self._dtype())))
+    def decode(self, latents: torch.Tensor, between: Between = None) -> torch.Tensor:
+        """Normalised packed latent (B, 128, h, w) -> pixels (B, 3, 16h, 16w), roughly in [-1, 1]; `between` is
+        called after the middle block and after every resnet block (a running node's interrupt check)."""
+        return self.decode_unpacked(self.unpack(latents.to(self._dtype())), between)
 
 
 def load_vae(infos: Mapping[str, TensorInfo], cfg: VAEConfig | None = None, parts: Iterable[str] = PARTS, *,

@@ -18,7 +18,7 @@ from typing import Any
 from ..models import flux2_config, loading, qwen3_config, vae_config
 from ..models.dtypes import itemsize
 from ..models.headers import CheckpointError
-from .files import Folders
+from .files import Folders, identity
 from .types import ModelInfo
 
 KINDS = ("transformer", "text_encoder", "vae")
@@ -45,7 +45,7 @@ def builtin_params(kind: str, config: Any) -> int:
 @dataclass
 class ModelCatalog:
     """Model infos by (kind, file) under `folders` (None: callers resolve files themselves and use `info_at`),
-    cached by path and modification time, and one tokenizer per tokenizer file."""
+    cached by path and file identity (size, mtime, inode), and one tokenizer per tokenizer file."""
 
     folders: Folders | None = None
     dtype: str = "bf16"
@@ -55,16 +55,18 @@ class ModelCatalog:
     _lock: Any = field(default_factory=threading.RLock, repr=False)
 
     # -- infos
-    def _info(self, kind: str, path: Path, spec: loading.ComponentSpec, tokenizer: Path | None, dtype: str
-              ) -> ModelInfo:
-        info = ModelInfo(f"{kind}:{path}:{dtype}", kind, LABELS[kind], spec.nbytes(dtype), spec.config, spec, dtype)
+    def _info(self, kind: str, path: Path, spec: loading.ComponentSpec, tokenizer: Path | None, dtype: str,
+              source: str) -> ModelInfo:
+        info = ModelInfo(f"{kind}:{path}:{dtype}", kind, LABELS[kind], spec.nbytes(dtype), spec.config, spec, dtype,
+                         source)
         self._cache[("tokenizer", info.key)] = tokenizer
         return info
 
     def info_at(self, kind: str, path: Path, dtype: str | None = None, name: str | None = None) -> ModelInfo:
         """The info of the `kind` component in the file (or folder) at `path`."""
         dtype = dtype or self.dtype
-        stamp = (kind, str(path), path.stat().st_mtime_ns, dtype)
+        source = identity(path)
+        stamp = (kind, str(path), source, dtype)
         with self._lock:
             if stamp not in self._cache:
                 spec = loading.inspect([path])
@@ -74,7 +76,7 @@ class ModelCatalog:
                     what = found[0].replace("_", " ") if found else "unknown model"
                     raise CheckpointError(f"{name or path.name} is a {what}, not a {kind.replace('_', ' ')}; "
                                           f"pick a file from {FOLDERS[kind]}/")
-                self._cache[stamp] = self._info(kind, path, comp, spec.tokenizer, dtype)
+                self._cache[stamp] = self._info(kind, path, comp, spec.tokenizer, dtype, source)
             return self._cache[stamp]
 
     def model_info(self, kind: str, name: str, dtype: str = "default") -> ModelInfo:
@@ -98,11 +100,12 @@ class ModelCatalog:
     def checkpoint_infos_at(self, path: Path, dtype: str | None = None) -> tuple[ModelInfo, ModelInfo, ModelInfo]:
         """The three components of a whole model at `path` (HF folder, ComfyUI models folder, folder of files)."""
         dtype = dtype or self.dtype
-        stamp = ("checkpoint", str(path), path.stat().st_mtime_ns if path.exists() else 0, dtype)
+        source = identity(path) if path.exists() else ""
+        stamp = ("checkpoint", str(path), source, dtype)
         with self._lock:
             if stamp not in self._cache:
                 spec = loading.inspect([path])
-                self._cache[stamp] = tuple(self._info(k, path, spec.component(k), spec.tokenizer, dtype)
+                self._cache[stamp] = tuple(self._info(k, path, spec.component(k), spec.tokenizer, dtype, source)
                                            for k in KINDS)
             return self._cache[stamp]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import estimates
 from .comfy import context as comfy_context
-from .files import file_list
+from .files import file_list, fingerprint
 from .types import (
     BOOLEAN,
     CLIP,
@@ -53,6 +53,20 @@ UPSCALE_METHODS = ["nearest-exact", "bilinear", "area", "bicubic", "lanczos"]
 HIDDEN = {"vg": "VG_CONTEXT"}
 
 
+def file_changed(folders: Any, folder: str, name: str) -> str:
+    """ComfyUI's IS_CHANGED value of a node that reads the file `name` in `folder`: its `fingerprint`. `folders`
+    None: inside ComfyUI, whose folder_paths say where files are. An unreadable file gets a value of its own (the
+    node then fails when it runs, so nothing is cached for it)."""
+    if folders is None:
+        from .comfy import comfy_folders
+
+        folders = comfy_folders()
+    try:
+        return fingerprint(folders.resolve(folder, name))
+    except OSError as e:
+        return f"unreadable: {e}"
+
+
 def _size(**kw: Any) -> tuple[str, dict]:
     return (INT, {"default": 1024, "min": 16, "max": MAX_RESOLUTION, "step": 16, **kw})
 
@@ -70,6 +84,10 @@ class UNETLoader:
     @classmethod
     def vg_estimate(cls, env: Any, unet_name: str, weight_dtype: str = "default") -> Cost:
         return Cost((env.model_info("transformer", unet_name),))
+
+    @classmethod
+    def IS_CHANGED(cls, unet_name: str, folders: Any = None, **_: Any) -> str:
+        return file_changed(folders, "diffusion_models", unet_name)
 
     def load_unet(self, unet_name: str, weight_dtype: str = "default", vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
@@ -90,6 +108,10 @@ class CLIPLoader:
     def vg_estimate(cls, env: Any, clip_name: str, type: str = "flux2", device: str = "default") -> Cost:
         return Cost((env.model_info("text_encoder", clip_name),))
 
+    @classmethod
+    def IS_CHANGED(cls, clip_name: str, folders: Any = None, **_: Any) -> str:
+        return file_changed(folders, "text_encoders", clip_name)
+
     def load_clip(self, clip_name: str, type: str = "flux2", device: str = "default", vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
         info = vg.model_info("text_encoder", clip_name)
@@ -108,6 +130,10 @@ class VAELoader:
     @classmethod
     def vg_estimate(cls, env: Any, vae_name: str) -> Cost:
         return Cost((env.model_info("vae", vae_name),))
+
+    @classmethod
+    def IS_CHANGED(cls, vae_name: str, folders: Any = None, **_: Any) -> str:
+        return file_changed(folders, "vae", vae_name)
 
     def load_vae(self, vae_name: str, vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
@@ -134,9 +160,10 @@ class CLIPTextEncode:
 
         vg = vg or comfy_context(self)
         if vg.variant == "stream":
-            emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device)
+            emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device,
+                                           vg.check_interrupted)
         else:
-            emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text])
+            emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text], vg.check_interrupted)
         return (conditioning(emb),)
 
 
@@ -395,7 +422,7 @@ class VAEDecode:
         from . import ops
 
         vg = vg or comfy_context(self)
-        return (ops.vae_decode(vg.module(vae), samples["samples"], vg.variant),)
+        return (ops.vae_decode(vg.module(vae), samples["samples"], vg.variant, vg.check_interrupted),)
 
 
 def image_bytes(image: ImageInfo) -> int:
@@ -420,7 +447,7 @@ class VAEEncode:
         from . import ops
 
         vg = vg or comfy_context(self)
-        return ({"samples": ops.vae_encode(vg.module(vae), pixels)},)
+        return ({"samples": ops.vae_encode(vg.module(vae), pixels, vg.check_interrupted)},)
 
 
 class LoadImage:
@@ -437,6 +464,12 @@ class LoadImage:
         w, h = env.image_size(image)
         info = ImageInfo(1, h, w)
         return Cost((info, info), host_bytes=image_bytes(info))
+
+    @classmethod
+    def IS_CHANGED(cls, image: str, folders: Any = None, **_: Any) -> str:
+        """ComfyUI's LoadImage.IS_CHANGED: the image file's content hash, so a new picture under the same name runs
+        again (and everything after it)."""
+        return file_changed(folders, "input", image)
 
     def load_image(self, image: str, vg: Any = None) -> tuple:
         from . import ops

@@ -11,6 +11,8 @@ of every models folder, and directly under any extra checkpoint root (`Folders.c
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +24,31 @@ MODEL_FOLDERS = {  # ComfyUI's folder name -> the names it also answers to
 MODEL_EXTENSIONS = (".safetensors", ".sft")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CHECKPOINT_FOLDERS = ("checkpoints", "diffusers")  # under a models folder, where whole checkpoints are looked for
+HASH_BELOW = 64 << 20  # files smaller than this are known by their content (a hash), larger ones by identity
+
+
+def identity(path: Path) -> str:
+    """A file's identity as the file system tells it: size, mtime_ns and inode of what `path` points to (a folder:
+    of every file under it). Any rewrite or replacement changes it; reading the file does not."""
+    def one(st: os.stat_result) -> str:
+        return f"{st.st_size}-{st.st_mtime_ns}-{st.st_ino}"
+
+    if not path.is_dir():
+        return one(path.stat())
+    parts = sorted(f"{p.relative_to(path).as_posix()}:{one(p.stat())}" for p in path.rglob("*") if p.is_file())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def fingerprint(path: Path) -> str:
+    """What a node reading `path` depends on (ComfyUI's IS_CHANGED value for it): a small file's content hash
+    (as ComfyUI's LoadImage), a large file's or a folder's `identity` (hashing gigabytes per prompt is too slow)."""
+    if path.is_file() and path.stat().st_size < HASH_BELOW:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return "sha256:" + h.hexdigest()
+    return "stat:" + identity(path)
 
 
 def is_checkpoint_dir(p: Path) -> bool:

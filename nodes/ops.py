@@ -19,6 +19,7 @@ from ..models.vae import Flux2VAE
 from .estimates import TILE_OVERLAP, tile_spans
 
 Progress = Callable[[int, int], None]
+Between = Callable[[], None] | None  # called between the blocks, layers or tiles of a long node (its interrupt check)
 
 
 def _device(module: torch.nn.Module) -> torch.device:
@@ -26,14 +27,15 @@ def _device(module: torch.nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def encode_text(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[str]) -> torch.Tensor:
-    return encode_prompts(encoder, tokenizer, texts).cpu()
+def encode_text(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[str],
+                between: Between = None) -> torch.Tensor:
+    return encode_prompts(encoder, tokenizer, texts, between).cpu()
 
 
 def encode_text_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[str],
-                         device: torch.device) -> torch.Tensor:
+                         device: torch.device, between: Between = None) -> torch.Tensor:
     """The encoder's weights stay in pinned host memory and stream through `device` one layer at a time."""
-    return encode_prompts_streamed(encoder, tokenizer, texts, device).cpu()
+    return encode_prompts_streamed(encoder, tokenizer, texts, device, between).cpu()
 
 
 @torch.no_grad()
@@ -69,16 +71,17 @@ def _batched(emb: torch.Tensor, batch: int, what: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def vae_decode(vae: Flux2VAE, samples: torch.Tensor, variant: str = "gpu") -> torch.Tensor:
+def vae_decode(vae: Flux2VAE, samples: torch.Tensor, variant: str = "gpu", between: Between = None) -> torch.Tensor:
     """Latent (B, 128, h, w) -> IMAGE (B, 16h, 16w, 3) in 0..1 on the CPU.
 
     "gpu" and "cpu" decode in one piece wherever the VAE is; "tiled" decodes overlapping tiles and
-    blends them, for when the whole decode does not fit.
+    blends them, for when the whole decode does not fit. `between` is called between the decoder's
+    blocks (and tiles), so an interrupt lands within one block.
     """
     if variant == "tiled":
-        pixels = _decode_tiled(vae, samples)
+        pixels = _decode_tiled(vae, samples, between)
     else:
-        pixels = vae.decode(samples.to(_device(vae))).float()
+        pixels = vae.decode(samples.to(_device(vae)), between).float()
     return ((pixels.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1).cpu()
 
 
@@ -93,14 +96,14 @@ def _ramp(n: int, overlap: int, start: bool, end: bool) -> torch.Tensor:
     return w
 
 
-def _decode_tiled(vae: Flux2VAE, samples: torch.Tensor) -> torch.Tensor:
+def _decode_tiled(vae: Flux2VAE, samples: torch.Tensor, between: Between = None) -> torch.Tensor:
     dev = _device(vae)
     b, _, h, w = samples.shape
     out = torch.zeros(b, 3, h * 16, w * 16, device=dev)
     weight = torch.zeros(1, 1, h * 16, w * 16, device=dev)
     for _, ya, yb in tile_spans(h):
         for _, xa, xb in tile_spans(w):
-            tile = vae.decode(samples[:, :, ya:yb, xa:xb].to(dev)).float()
+            tile = vae.decode(samples[:, :, ya:yb, xa:xb].to(dev), between).float()
             wy = _ramp((yb - ya) * 16, TILE_OVERLAP * 16, ya == 0, yb == h).to(dev)
             wx = _ramp((xb - xa) * 16, TILE_OVERLAP * 16, xa == 0, xb == w).to(dev)
             m = (wy[:, None] * wx[None, :])[None, None]
@@ -111,11 +114,11 @@ def _decode_tiled(vae: Flux2VAE, samples: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def vae_encode(vae: Flux2VAE, image: torch.Tensor) -> torch.Tensor:
+def vae_encode(vae: Flux2VAE, image: torch.Tensor, between: Between = None) -> torch.Tensor:
     """IMAGE (B, H, W, 3) in 0..1 -> latent (B, 128, H/16, W/16), cropped centrally to multiples of 16 first."""
     image = crop16(image)
     pixels = image[..., :3].permute(0, 3, 1, 2) * 2 - 1
-    return vae.encode(pixels.to(_device(vae))).float().cpu()
+    return vae.encode(pixels.to(_device(vae)), between).float().cpu()
 
 
 def crop16(image: torch.Tensor) -> torch.Tensor:

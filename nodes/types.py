@@ -65,6 +65,8 @@ class ModelInfo:
     config: Any = None  # flux2.Flux2Config | qwen3.Qwen3Config | vae.VAEConfig
     spec: Any = None  # loading.ComponentSpec, or None when planning without files
     dtype: str = "bf16"
+    source: str = ""  # the file's (or folder's) identity when this info was read (files.identity): a replaced
+    #                   file gives another info under the same key, so the engine reads the new weights
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,10 @@ class VGLoadCheckpoint:
     def vg_estimate(cls, env: Any, checkpoint: str) -> Cost:
         return Cost(tuple(env.checkpoint_infos(checkpoint)))
 
+    @classmethod
+    def IS_CHANGED(cls, checkpoint: str, folders: Any = None, **_: Any) -> str:
+        return core.file_changed(folders, "checkpoints", checkpoint)
+
     def load(self, checkpoint: str, vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
         tr, te, vae = vg.checkpoint_infos(checkpoint)
@@ -70,9 +74,12 @@ def _file_loader(name: str, kind: str, folder: str, io: str, doc: str) -> type:
         info = vg.model_info(kind, file)
         return (ModelHandle(info, vg.tokenizer_for(info) if kind == "text_encoder" else None),)
 
+    def changed(cls: type, file: str, folders: Any = None, **_: Any) -> str:
+        return core.file_changed(folders, folder, file)
+
     return type(name, (), {"CATEGORY": CATEGORY, "RETURN_TYPES": (io,), "FUNCTION": "load", "DESCRIPTION": doc,
                            "INPUT_TYPES": classmethod(inputs), "vg_estimate": classmethod(estimate), "load": load,
-                           "__doc__": doc})
+                           "IS_CHANGED": classmethod(changed), "__doc__": doc})
 
 
 VGLoadTransformer = _file_loader("VGLoadTransformer", "transformer", "diffusion_models", VG_MODEL,
@@ -175,7 +182,7 @@ class VGReferenceImage:
         module = vg.module(vae)
         for pil in ops.to_pil(image):
             pixels = prepare_reference(pil)
-            lat = module.encode(pixels.to(next(module.parameters()).device)).float().cpu()
+            lat = module.encode(pixels.to(next(module.parameters()).device), vg.check_interrupted).float().cpu()
             conditioning = with_reference(conditioning, lat)
         return (conditioning,)
 

@@ -728,10 +728,10 @@ def test_a_failing_prompt_in_a_batch(folders, monkeypatch):
 
     decode = ops.vae_decode
 
-    def wide_fails(vae: Any, samples: Any, variant: str = "gpu") -> Any:
+    def wide_fails(vae: Any, samples: Any, variant: str = "gpu", between: Any = None) -> Any:
         if samples.shape[-1] > samples.shape[-2]:
             raise RuntimeError("no wide images today")
-        return decode(vae, samples, variant)
+        return decode(vae, samples, variant, between)
 
     monkeypatch.setattr(ops, "vae_decode", wide_fails)
     prompts = batch_prompts("failing")

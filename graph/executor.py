@@ -34,7 +34,7 @@ from ..models.qwen3 import PromptTokenizer
 from ..nodes import ENGINE_NODES
 from ..nodes.catalog import ModelCatalog
 from ..nodes.files import Folders
-from ..nodes.types import ModelInfo, is_link
+from ..nodes.types import ModelInfo, Variant, is_link
 from ..nodes.values import ModelHandle
 from . import planner, queue
 from .budget import budget_for
@@ -80,12 +80,21 @@ class NodeContext:
     """What a running node may ask of the engine (the `vg` hidden input)."""
 
     def __init__(self, engine: Engine, node: str, class_type: str, variant: str, seed: int | None,
-                 events: Events) -> None:
+                 events: Events, chosen: Variant | None = None) -> None:
         self.engine, self.node, self.class_type, self.variant = engine, node, class_type, variant
         self.seed, self._events = seed, events
+        self.chosen = chosen  # the plan's Variant for this node: which models it put on the GPU, which it streams
 
     def module(self, handle: ModelHandle) -> torch.nn.Module:
-        return self.engine.ledger.module(handle.key)
+        """The model where the plan put it for this node's variant: resident on the GPU when the variant names it
+        in `models`, the host copy when it streams it, else (a variant that runs off the GPU, as the CPU decode)
+        its weights in host memory, so the node computes on the CPU."""
+        key, v = handle.key, self.chosen
+        if v is None or key in v.models:
+            return self.engine.ledger.module(key)
+        if key in v.streams:
+            return self.engine.ledger.host_module(key)
+        return self.engine.ledger.cpu_module(key)
 
     def host_module(self, handle: ModelHandle) -> torch.nn.Module:
         """The model's pinned host copy (for a node that streams it), waiting for its background read."""
@@ -435,13 +444,14 @@ class Engine:
         cls = self.nodes[class_type]
         events("executing", {"node": node, "display_node": node, "prompt_id": self._pid})
         inputs = self._inputs(node, prep, values)
-        ctx = NodeContext(self, node, class_type, variant, self._seed(node, prep, values), events)
+        chosen = next((o for o in prep.costs[node].variants if o.name == variant), None)
+        ctx = NodeContext(self, node, class_type, variant, self._seed(node, prep, values), events, chosen)
         own_prompt, own_extra = prep.hidden.get(node, (prep.prompt, extra_pnginfo))
         hidden = {"PROMPT": own_prompt, "EXTRA_PNGINFO": own_extra, "UNIQUE_ID": node, "VG_CONTEXT": ctx}
         for name, kind in cls.INPUT_TYPES(folders=self.folders).get("hidden", {}).items():
             if kind in hidden:
                 inputs[name] = hidden[kind]
-        predicted = next((o.activation for o in prep.costs[node].variants if o.name == variant), 0)
+        predicted = chosen.activation if chosen is not None else 0
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()

@@ -58,6 +58,18 @@ class NodeReport:
     measured_bytes: int = 0
 
 
+def estimate_exceeded(report: NodeReport) -> dict | None:
+    """The `vg_estimate_exceeded` event for a node whose measured GPU peak (above the weights resident when it
+    started) passed the activation its plan predicted, or None when it stayed within. The measurement is the torch
+    allocator's (CUDA only: on the CPU nothing is measured and nothing is flagged)."""
+    if report.measured_bytes <= report.predicted_bytes:
+        return None
+    return {"node": report.node, "class_type": report.class_type, "variant": report.variant,
+            "predicted_bytes": report.predicted_bytes, "measured_bytes": report.measured_bytes,
+            "over_bytes": report.measured_bytes - report.predicted_bytes,
+            "ratio": round(report.measured_bytes / report.predicted_bytes, 4) if report.predicted_bytes else None}
+
+
 @dataclass
 class RunResult:
     prompt_id: str
@@ -478,8 +490,15 @@ class Engine:
             values[("ui", node)] = out.get("ui")
             out = tuple(out.get("result", ()))
         values[node] = tuple(out)
-        events("executed", {"node": node, "output": values.get(("ui", node)), "seconds": seconds})
-        return NodeReport(node, class_type, variant, seconds, predicted, measured)
+        report = NodeReport(node, class_type, variant, seconds, predicted, measured)
+        over = estimate_exceeded(report)
+        if over is not None:  # the plan was optimistic here: say so (before "executed" ends the node for listeners)
+            log.warning("node %s (%s, %s) peaked at %.3f GiB on the GPU, above its estimate of %.3f GiB; please "
+                        "report it", node, class_type, variant, measured / 2**30, predicted / 2**30)
+            events("vg_estimate_exceeded", {**over, "prompt_id": self._pid})
+        events("executed", {"node": node, "output": values.get(("ui", node)), "seconds": seconds,
+                            "predicted_bytes": predicted, "measured_bytes": measured})
+        return report
 
 
 def _models_in(outputs: Any) -> set[str]:

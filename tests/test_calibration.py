@@ -51,3 +51,63 @@ def test_the_fit_is_the_formula_the_planner_uses(points: dict) -> None:
         expected = calibration.predict("decode", {**p, "dtype": dtype if dtype != "f8_e4m3" else "bf16"})
         assert gpu.activation == pytest.approx(expected * estimates.MARGIN, rel=1e-9, abs=1)
         assert expected == pytest.approx(calibration.predict("decode", p) * item / 2, rel=0.01)
+
+
+# ------------------------------------------------------------------------------ measured peaks against estimates
+
+def _run(tiny_models: Path, input_dir: Path, out: Path, device: str, nodes: dict | None = None) -> tuple:
+    from vramgraph.graph.executor import Engine
+    from vramgraph.nodes import ENGINE_NODES
+    from vramgraph.nodes.files import Folders
+
+    prompt = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json").read_text())
+    prompt["5"]["inputs"].update(width=64, height=64)
+    folders = Folders(models=(tiny_models,), input=input_dir, output=out / "output", temp=out / "temp")
+    engine = Engine(folders, device=device, nodes={**ENGINE_NODES, **(nodes or {})})
+    events: list[tuple[str, dict]] = []
+    return engine.run(prompt, events=lambda k, d: events.append((k, d))), events
+
+
+def test_a_node_over_its_estimate_is_flagged_with_the_numbers(tiny_models: Path, input_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """On the CPU no peak is measured (torch's allocator counters are CUDA's), so the run flags nothing; its real
+    report with a GPU-sized measurement put in is flagged exactly when the measurement passes the estimate."""
+    import dataclasses
+
+    from vramgraph.graph.executor import estimate_exceeded
+
+    result, events = _run(tiny_models, input_dir, tmp_path, "cpu")
+    assert not [d for k, d in events if k == "vg_estimate_exceeded"]
+    decode = next(n for n in result.nodes if n.class_type == "VGVAEDecode")
+    assert decode.predicted_bytes > 0 and decode.measured_bytes == 0
+    assert all(estimate_exceeded(n) is None for n in result.nodes)
+    assert estimate_exceeded(dataclasses.replace(decode, measured_bytes=decode.predicted_bytes)) is None
+    over = estimate_exceeded(dataclasses.replace(decode, measured_bytes=decode.predicted_bytes + 4096))
+    assert over == {"node": "7", "class_type": "VGVAEDecode", "variant": "gpu",
+                    "predicted_bytes": decode.predicted_bytes, "measured_bytes": decode.predicted_bytes + 4096,
+                    "over_bytes": 4096, "ratio": round((decode.predicted_bytes + 4096) / decode.predicted_bytes, 4)}
+    executed = {d["node"]: d for k, d in events if k == "executed"}
+    assert executed["7"]["predicted_bytes"] == decode.predicted_bytes and executed["7"]["measured_bytes"] == 0
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_node_whose_estimate_is_too_small_is_flagged_in_the_log_and_the_events(
+        tiny_models: Path, input_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A decode node whose estimate claims 1 byte: its measured peak passes it, the run goes on and says so."""
+    from vramgraph.nodes.types import Cost, ImageInfo, Variant
+    from vramgraph.nodes.vg import VGVAEDecode
+
+    class Optimistic(VGVAEDecode):
+        @classmethod
+        def vg_estimate(cls, env: object, samples: LatentInfo, vae: ModelInfo) -> Cost:
+            cost = super().vg_estimate(env, samples, vae)
+            assert isinstance(cost.outputs[0], ImageInfo)
+            return Cost(cost.outputs, (Variant("gpu", (vae.key,), 1),), cost.host_bytes)
+
+    with caplog.at_level("WARNING", logger="vramgraph.executor"):
+        result, events = _run(tiny_models, input_dir, tmp_path, "cuda", {"VGVAEDecode": Optimistic})
+    flagged = [d for k, d in events if k == "vg_estimate_exceeded"]
+    assert [d["node"] for d in flagged] == ["7"] and flagged[0]["measured_bytes"] > 1 == flagged[0]["predicted_bytes"]
+    assert "above its estimate" in caplog.text and result.images
+    kinds = [k for k, _ in events]
+    assert kinds.index("vg_estimate_exceeded") < max(i for i, k in enumerate(kinds) if k == "executed")

@@ -78,7 +78,7 @@ def test_each_variant_the_planner_chooses_runs_and_gives_the_reference_image(
         assert vae not in loads  # the plan never puts the VAE on the GPU, and the run does not either
     result = e.run(prep)
     assert [n.variant for n in result.nodes if n.node in ("4", "7")] == list(CASES[gpu])
-    assert e.ledger.on_gpu == prep.plan.end.gpu
+    assert (e.ledger.on_gpu, e.ledger.pinned) == (prep.plan.end.gpu, prep.plan.end.pinned)  # as the plan says
     image = pixels(result.images[0])
     assert image.shape == reference.shape == (HEIGHT, WIDTH, 3)
     if CASES[gpu][1] == "tiled":

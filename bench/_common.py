@@ -109,3 +109,14 @@ def write_report(path: str | os.PathLike, report: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
+
+
+def peak_bytes(fn, *args) -> int:
+    """Bytes `fn(*args)` allocates on the GPU at its peak above what was allocated when it started (what the
+    executor measures for each node: torch.cuda.max_memory_allocated above the resident weights)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(*args)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base

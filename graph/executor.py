@@ -36,7 +36,7 @@ from ..models.qwen3 import PromptTokenizer
 from ..nodes import ENGINE_NODES
 from ..nodes.catalog import ModelCatalog
 from ..nodes.files import Folders
-from ..nodes.types import ModelInfo, is_link
+from ..nodes.types import ModelInfo, Variant, is_link
 from ..nodes.values import ModelHandle
 from . import planner, queue
 from .budget import budget_for
@@ -58,6 +58,18 @@ class NodeReport:
     seconds: float
     predicted_bytes: int = 0
     measured_bytes: int = 0
+
+
+def estimate_exceeded(report: NodeReport) -> dict | None:
+    """The `vg_estimate_exceeded` event for a node whose measured GPU peak (above the weights resident when it
+    started) passed the activation its plan predicted, or None when it stayed within. The measurement is the torch
+    allocator's (CUDA only: on the CPU nothing is measured and nothing is flagged)."""
+    if report.measured_bytes <= report.predicted_bytes:
+        return None
+    return {"node": report.node, "class_type": report.class_type, "variant": report.variant,
+            "predicted_bytes": report.predicted_bytes, "measured_bytes": report.measured_bytes,
+            "over_bytes": report.measured_bytes - report.predicted_bytes,
+            "ratio": round(report.measured_bytes / report.predicted_bytes, 4) if report.predicted_bytes else None}
 
 
 @dataclass
@@ -82,12 +94,21 @@ class NodeContext:
     """What a running node may ask of the engine (the `vg` hidden input)."""
 
     def __init__(self, engine: Engine, node: str, class_type: str, variant: str, seed: int | None,
-                 events: Events) -> None:
+                 events: Events, chosen: Variant | None = None) -> None:
         self.engine, self.node, self.class_type, self.variant = engine, node, class_type, variant
         self.seed, self._events = seed, events
+        self.chosen = chosen  # the plan's Variant for this node: which models it put on the GPU, which it streams
 
     def module(self, handle: ModelHandle) -> torch.nn.Module:
-        return self.engine.ledger.module(handle.key)
+        """The model where the plan put it for this node's variant: resident on the GPU when the variant names it
+        in `models`, the host copy when it streams it, else (a variant that runs off the GPU, as the CPU decode)
+        its weights in host memory, so the node computes on the CPU."""
+        key, v = handle.key, self.chosen
+        if v is None or key in v.models:
+            return self.engine.ledger.module(key)
+        if key in v.streams:
+            return self.engine.ledger.host_module(key)
+        return self.engine.ledger.cpu_module(key)
 
     def host_module(self, handle: ModelHandle) -> torch.nn.Module:
         """The model's pinned host copy (for a node that streams it), waiting for its background read."""
@@ -453,13 +474,14 @@ class Engine:
         cls = self.nodes[class_type]
         events("executing", {"node": node, "display_node": node, "prompt_id": self._pid})
         inputs = self._inputs(node, prep, values)
-        ctx = NodeContext(self, node, class_type, variant, self._seed(node, prep, values), events)
+        chosen = next((o for o in prep.costs[node].variants if o.name == variant), None)
+        ctx = NodeContext(self, node, class_type, variant, self._seed(node, prep, values), events, chosen)
         own_prompt, own_extra = prep.hidden.get(node, (prep.prompt, extra_pnginfo))
         hidden = {"PROMPT": own_prompt, "EXTRA_PNGINFO": own_extra, "UNIQUE_ID": node, "VG_CONTEXT": ctx}
         for name, kind in cls.INPUT_TYPES(folders=self.folders).get("hidden", {}).items():
             if kind in hidden:
                 inputs[name] = hidden[kind]
-        predicted = next((o.activation for o in prep.costs[node].variants if o.name == variant), 0)
+        predicted = chosen.activation if chosen is not None else 0
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -486,8 +508,15 @@ class Engine:
             values[("ui", node)] = out.get("ui")
             out = tuple(out.get("result", ()))
         values[node] = tuple(out)
-        events("executed", {"node": node, "output": values.get(("ui", node)), "seconds": seconds})
-        return NodeReport(node, class_type, variant, seconds, predicted, measured)
+        report = NodeReport(node, class_type, variant, seconds, predicted, measured)
+        over = estimate_exceeded(report)
+        if over is not None:  # the plan was optimistic here: say so (before "executed" ends the node for listeners)
+            log.warning("node %s (%s, %s) peaked at %.3f GiB on the GPU, above its estimate of %.3f GiB; please "
+                        "report it", node, class_type, variant, measured / 2**30, predicted / 2**30)
+            events("vg_estimate_exceeded", {**over, "prompt_id": self._pid})
+        events("executed", {"node": node, "output": values.get(("ui", node)), "seconds": seconds,
+                            "predicted_bytes": predicted, "measured_bytes": measured})
+        return report
 
 
 def _models_in(outputs: Any) -> set[str]:

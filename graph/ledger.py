@@ -182,6 +182,25 @@ class Ledger:
             raise RuntimeError(f"model {key} is on the GPU; the plan streams only models that are not resident")
         return self._host(e).module
 
+    def cpu_module(self, key: str) -> torch.nn.Module:
+        """The model with its weights in host memory, for a node whose variant computes on the CPU (the CPU
+        decode). The plan loads nothing for it, so nothing here changes where the weights are: the host copy
+        when there is one and its parameters are at home (not pointing at a GPU copy), else a copy read from
+        the file for this node only (the caller drops it after the node)."""
+        e = self.entries[key]
+        m = e.module
+        if m is not None and all(t.device.type == "cpu" for t in _tensors(m).values()):
+            return m
+        if not e.on_device and e.pending is not None:  # a background read will give the host copy
+            return self._host(e).module
+        if e.info.spec is None:
+            raise RuntimeError(f"{e.info.label} '{e.info.key}' has no checkpoint file; it can be planned, not run")
+        t0 = time.perf_counter()
+        module = loading.load(e.info.spec, dtype=e.info.dtype, device="cpu").requires_grad_(False).eval()
+        log.info("%s %.2f GiB read from its file into host RAM for one node in %.2f s", e.info.label,
+                 e.info.nbytes / 2**30, time.perf_counter() - t0)
+        return module
+
     def module(self, key: str) -> torch.nn.Module:
         e = self.entries.get(key)
         module = e.module if e is not None else None

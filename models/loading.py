@@ -24,6 +24,7 @@ from typing import Any
 from . import flux2_config, qwen3_config, vae_config
 from .dtypes import compute_name, itemsize, torch_dtype
 from .headers import CheckpointError, TensorInfo, check_plain, read_header, read_headers, strip_prefix
+from .paths import walk_files
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 _PREFIXES = {
@@ -232,7 +233,7 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
         else:
             subdirs = [p / s for s in ("diffusion_models", "unet", "text_encoders", "clip", "vae") if (p / s).is_dir()]
             # ComfyUI lets users sort models into subfolders of its model folders
-            cands = _candidates(f for d in subdirs for f in d.rglob("*.safetensors")) if subdirs else \
+            cands = _candidates(d / f for d in subdirs for f in walk_files(d, (".safetensors",))) if subdirs else \
                 _candidates(p.glob("*.safetensors"))
             layout, folders = ("comfyui" if subdirs else "files"), [p, *subdirs]
             if not cands:

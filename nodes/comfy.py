@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..models import loading
 from .catalog import FOLDERS, ModelCatalog
-from .files import Folders
+from .files import Folders, safe_name
 from .types import ModelInfo
 from .values import ModelHandle
 
@@ -173,10 +173,9 @@ class ComfyContext:
     def resolve(self, folder: str, name: str) -> Path:
         fp = _folder_paths()
         if folder == "input":
-            root = Path(fp.get_input_directory()).resolve()
-            path = (root / name).resolve()
-            if path.is_relative_to(root) and path.is_file():
-                return path
+            path = Path(fp.get_input_directory()) / name
+            if safe_name(name) and path.is_file():  # links in the input folder are followed (files.safe_name)
+                return path.resolve()
         else:
             found = fp.get_full_path(folder, name)
             if found is not None and Path(found).is_file():

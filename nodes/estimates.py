@@ -17,19 +17,23 @@ from .types import CondInfo, LatentInfo, ModelInfo, Variant
 GiB = 2**30
 MARGIN = 1.04
 
-# Fitted on the H200 by bench/plan_matrix.py --calibrate (bench/results/calibrate.json: bf16, SDPA,
-# klein-4B shapes, 256² to 2048²); each fit is within 0.7 % of every measured point.
+# Fitted by `nodes.calibration.fit` on the H200 measurements in bench/results/calibrate.json (bf16, SDPA,
+# klein-4B shapes, 256² to 2048²; measured by bench/calibrate.py, first by bench/plan_matrix.py --calibrate) and
+# rounded to 4 significant digits; each point is predicted within 1 %. tests/test_calibration.py refits them from
+# that file and checks both. The formulas (`*_bytes` below) take shapes, the compute dtype's item size and the
+# widths as parameters: fp32, fp8-stored weights (computed in bf16: item size 2) and a narrower decoder are sized
+# by them, but only bf16 at klein-4B widths is calibrated so far.
 # Transformer, one sampling step, per image in the batch: (DIT_PER_TOKEN * tokens + DIT_FIXED) * hidden * itemsize
 DIT_PER_TOKEN = 21.17
 DIT_FIXED = 1431.0
 # Qwen3 encoder: bytes per (batch * token * hidden * itemsize), 512 tokens
 TE_PER_TOKEN = 17.1
 # VAE: bytes per (pixel * channels[0] * itemsize) plus a fixed part; decode per output pixel, encode per input pixel
-VAE_DECODE_PER_PIXEL, VAE_DECODE_FIXED = 9.512, 1.6e6
-VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.07, 0.75e6
+VAE_DECODE_PER_PIXEL, VAE_DECODE_FIXED = 9.512, 1.531e6
+VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.069, 7.161e5
 # Tiled decode: tiles of TILE latent cells with TILE_OVERLAP cells on each side; the fp32 canvas and its
 # blend weights cost TILED_CANVAS bytes per output pixel
-TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 19.0
+TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 17.08
 
 # Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes.
 DIT_SECONDS_PER_TOKEN_STEP = 0.083 / 4608  # one step at 1024² (4096 image + 512 text tokens)
@@ -61,7 +65,37 @@ def _margin(n: float) -> int:
 
 
 def _itemsize(dtype: str) -> int:
+    """Bytes per element the activations take: the compute dtype's; weights stored otherwise (fp8) compute in bf16."""
     return itemsize(dtype) if dtype in COMPUTE else 2
+
+
+# The activation peaks as functions of shapes, item size and widths (bytes, before MARGIN); the constants are
+# parameters so that nodes.calibration can fit them and check each point with the same formula.
+def text_encode_bytes(batch: int, tokens: int, hidden: int, item: int, per_token: float = TE_PER_TOKEN) -> float:
+    return batch * tokens * hidden * item * per_token
+
+
+def sampling_bytes(batch: int, tokens: int, hidden: int, item: int, per_token: float = DIT_PER_TOKEN,
+                   fixed: float = DIT_FIXED) -> float:
+    """One sampling step of `batch` images (cond and uncond count twice) over `tokens` tokens each."""
+    return batch * (per_token * tokens + fixed) * hidden * item
+
+
+def vae_bytes(pixels: int, width: int, item: int, per_pixel: float, fixed: float) -> float:
+    """A whole VAE decode or encode: `pixels` output (decode) or input (encode) pixels, decoder width `width`."""
+    return pixels * width * item * per_pixel + fixed
+
+
+def tiled_decode_bytes(tile_pixels: int, pixels: int, width: int, item: int,
+                       per_pixel: float = VAE_DECODE_PER_PIXEL, fixed: float = VAE_DECODE_FIXED,
+                       canvas: float = TILED_CANVAS) -> float:
+    """The largest tile's decode plus the fp32 canvas and blend weights of the whole image."""
+    return vae_bytes(tile_pixels, width, item, per_pixel, fixed) + pixels * canvas
+
+
+def tile_pixels(batch: int, height: int, width: int) -> int:
+    """Output pixels of the largest tile of a batch x height x width (latent cells) tiled decode."""
+    return batch * largest_tile(height) * largest_tile(width) * 256
 
 
 def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...]:
@@ -69,7 +103,7 @@ def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...
     cfg = model.config
     hidden = cfg.hidden_size if cfg is not None else 2560
     item = _itemsize(model.dtype)
-    act = batch * tokens * hidden * item * TE_PER_TOKEN
+    act = text_encode_bytes(batch, tokens, hidden, item)
     gpu = Variant("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
     if cfg is None or not model.nbytes:
         return (gpu,)
@@ -91,7 +125,7 @@ def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch
     item = _itemsize(model.dtype)
     tokens = sampler_tokens(latent, positive)
     batch = latent.batch * cfg_batch
-    act = batch * (DIT_PER_TOKEN * tokens + DIT_FIXED) * hidden * item
+    act = sampling_bytes(batch, tokens, hidden, item)
     act += 2 * latent.batch * latent.height * latent.width * latent.channels * 4  # step preview: x0 and its RGB
     seconds = DIT_SECONDS_PER_TOKEN_STEP * tokens * batch * steps * _param_scale(model)
     return Variant("gpu", (model.key,), _margin(act), seconds)
@@ -109,13 +143,13 @@ def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Variant, ...]:
     """Full GPU decode, tiled GPU decode, and CPU decode (the last resort, priced honestly)."""
     item = _itemsize(model.dtype)
     pixels = latent.batch * latent.height * latent.width * 256
-    per_pixel = _decoder_width(model) * item * VAE_DECODE_PER_PIXEL
+    width = _decoder_width(model)
     mpix = pixels / 1e6
-    options = [Variant("gpu", (model.key,), _margin(pixels * per_pixel + VAE_DECODE_FIXED),
-                      VAE_DECODE_SECONDS_PER_MPIXEL * mpix)]
+    options = [Variant("gpu", (model.key,),
+                       _margin(vae_bytes(pixels, width, item, VAE_DECODE_PER_PIXEL, VAE_DECODE_FIXED)),
+                       VAE_DECODE_SECONDS_PER_MPIXEL * mpix)]
     if latent.height > TILE or latent.width > TILE:
-        tile = latent.batch * largest_tile(latent.height) * largest_tile(latent.width) * 256
-        tile_act = tile * per_pixel + VAE_DECODE_FIXED + pixels * TILED_CANVAS
+        tile_act = tiled_decode_bytes(tile_pixels(latent.batch, latent.height, latent.width), pixels, width, item)
         options.append(Variant("tiled", (model.key,), _margin(tile_act),
                               VAE_DECODE_SECONDS_PER_MPIXEL * mpix * TILED_SLOWDOWN,
                               note=f"tiled decode ({TILE * 16}px tiles)"))
@@ -127,5 +161,5 @@ def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Variant, ...]:
 def vae_encode(model: ModelInfo, batch: int, height: int, width: int) -> Variant:
     item = _itemsize(model.dtype)
     pixels = batch * height * width
-    act = pixels * _decoder_width(model) * item * VAE_ENCODE_PER_PIXEL + VAE_ENCODE_FIXED
+    act = vae_bytes(pixels, _decoder_width(model), item, VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED)
     return Variant("gpu", (model.key,), _margin(act), VAE_ENCODE_SECONDS_PER_MPIXEL * pixels / 1e6)

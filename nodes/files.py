@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+from ..models.paths import walk_files
 
 MODEL_FOLDERS = {  # ComfyUI's folder name -> the names it also answers to
     "diffusion_models": ("diffusion_models", "unet"),
@@ -91,6 +93,16 @@ def find_checkpoint(roots: list[Path], name: str) -> Path:
                             "(or pass --checkpoint PATH on the command line)")
 
 
+def safe_name(name: str) -> bool:
+    """A file name that stays inside the folder it is looked up in, by its spelling alone: relative, no '..'.
+    Symbolic links inside a models or input folder are the user's own and are followed wherever they lead
+    (as ComfyUI does); only the name itself may never climb out."""
+    if not name or "\0" in name:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and ".." not in path.parts
+
+
 @dataclass(frozen=True)
 class Folders:
     models: tuple[Path, ...] = ()
@@ -117,19 +129,19 @@ class Folders:
         found: set[str] = set()
         for d in dirs:
             if d.is_dir():
-                found.update(p.relative_to(d).as_posix() for p in d.rglob("*")
-                             if p.suffix.lower() in exts and p.is_file())
+                found.update(walk_files(d, exts))
         return sorted(found)
 
     def resolve(self, folder: str, name: str) -> Path:
-        """The file `name` in `folder` (a checkpoint folder for 'checkpoints'); never outside it."""
+        """The file `name` in `folder` (a checkpoint folder for 'checkpoints'). The name never leads outside the
+        folder ('..' and absolute names are refused, see `safe_name`); symbolic links inside it are followed."""
         if folder == "checkpoints":
             return find_checkpoint(self.model_dirs(folder), name)
         dirs = [self.input] if folder == "input" else self.model_dirs(folder)
-        for d in dirs:
-            p = (d / name).resolve()
-            if p.is_relative_to(d.resolve()) and p.is_file():
-                return p
+        for d in dirs if safe_name(name) else []:
+            p = d / name
+            if p.is_file():
+                return p.resolve()
         where = ", ".join(str(d) for d in dirs) or f"no '{folder}' folder under {list(map(str, self.models))}"
         raise FileNotFoundError(f"'{name}' is not in {folder} ({where}); put the file there or set --models")
 

@@ -330,6 +330,8 @@ class Worker:
                                 "prompt_id": pid})
             elif kind == "vg_step":
                 emit("vramgraph.step", data)
+            elif kind == "vg_estimate_exceeded":
+                emit("vramgraph.estimate", data)
             elif kind == "preview":
                 self.hub.send_threadsafe(PREVIEW_IMAGE, encode_preview(data["image"]), sid)
 
@@ -505,7 +507,8 @@ class Worker:
                 output = data.get("output")
                 variant = prep.plan.variant_of(node)
                 nodes.append({"node": node, "class_type": prep.prompt[node]["class_type"], "variant": variant,
-                              "seconds": data.get("seconds", 0.0), "measured_bytes": 0, "predicted_bytes": next(
+                              "seconds": data.get("seconds", 0.0), "measured_bytes": data.get("measured_bytes", 0),
+                              "predicted_bytes": next(
                                   (o.activation for o in prep.costs[node].variants if o.name == variant), 0)})
                 if output is not None:
                     if len(self.ui_cache) > MAX_HISTORY:
@@ -525,6 +528,10 @@ class Worker:
                     m.left.discard(node)
                     if not m.left and not m.done:
                         finish(m)
+            elif kind == "vg_estimate_exceeded":
+                for sid, first in _clients([m for m, _ in running(node)]).items():
+                    self.hub.send_threadsafe("vramgraph.estimate", {**data, "prompt_id": first.pid, "node": next(
+                        orig for m, orig in running(node) if m is first), "prompt_ids": pids}, sid)
             elif kind == "vg_step":
                 moves[data["kind"]] = moves.get(data["kind"], 0) + 1
                 for sid, first in _clients([m for m in members if not m.done]).items():

@@ -1,0 +1,113 @@
+"""The activation-peak fit: from measured peaks (bench/calibrate.py's calibration data) to the constants of
+nodes/estimates.py, and each point's prediction by the same formulas the planner uses.
+
+Torch-free. A calibration is {"text_encode" | "sampler" | "decode" | "tiled" | "vae_encode": [point, ...]}; a point
+holds its measured "bytes" (torch.cuda.max_memory_allocated above the resident weights) and its shape: "side"
+(square images, pixels) or "height"/"width", "batch" (images; the sampler's cfg > 1 doubles it), "tokens"
+(sampler: image + text + reference tokens; text encode: the padded prompt, 512), "dtype" (compute dtype, "bf16"
+unless given), "hidden" (the model's width: 2560 for the Qwen3 encoder, 3072 for the transformer unless given)
+and "decoder_width" (the VAE's first level's channels, 128 unless given). The fit is ordinary least squares of each
+formula, linear in its constants:
+
+    text encode   bytes = TE_PER_TOKEN * batch * tokens * hidden * item
+    sampler       bytes = batch * hidden * item * (DIT_PER_TOKEN * tokens + DIT_FIXED)
+    decode        bytes = VAE_DECODE_PER_PIXEL * pixels * decoder_width * item + VAE_DECODE_FIXED
+    encode        bytes = VAE_ENCODE_PER_PIXEL * pixels * decoder_width * item + VAE_ENCODE_FIXED
+    tiled decode  bytes = decode(largest tile's pixels) + TILED_CANVAS * pixels   (the decode constants as fitted)
+
+where item is the compute dtype's bytes per element (bf16 2, fp32 4; fp8-stored weights compute in bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import estimates
+from .estimates import _itemsize
+
+KINDS = ("text_encode", "sampler", "decode", "tiled", "vae_encode")
+CONSTANTS = ("TE_PER_TOKEN", "DIT_PER_TOKEN", "DIT_FIXED", "VAE_DECODE_PER_PIXEL", "VAE_DECODE_FIXED",
+             "VAE_ENCODE_PER_PIXEL", "VAE_ENCODE_FIXED", "TILED_CANVAS")
+DEFAULT_HIDDEN = {"text_encode": 2560, "sampler": 3072}
+Point = Mapping[str, Any]
+
+
+def _item(p: Point) -> int:
+    return _itemsize(p.get("dtype", "bf16"))
+
+
+def _hidden(kind: str, p: Point) -> int:
+    return int(p.get("hidden", DEFAULT_HIDDEN[kind]))
+
+
+def _width(p: Point) -> int:
+    return int(p.get("decoder_width", 128))
+
+
+def _pixels(p: Point) -> int:
+    h, w = p.get("height", p.get("side")), p.get("width", p.get("side"))
+    return int(p.get("batch", 1)) * int(h) * int(w)
+
+
+def _tile_pixels(p: Point) -> int:
+    h, w = p.get("height", p.get("side")), p.get("width", p.get("side"))
+    return estimates.tile_pixels(int(p.get("batch", 1)), int(h) // 16, int(w) // 16)
+
+
+def _lstsq(x: Sequence[float], y: Sequence[float], intercept: bool) -> tuple[float, float]:
+    a = np.array([[xi, 1.0] if intercept else [xi] for xi in x], dtype=np.float64)
+    sol = np.linalg.lstsq(a, np.array(y, dtype=np.float64), rcond=None)[0]
+    return float(sol[0]), float(sol[1]) if intercept else 0.0
+
+
+def fit(calibration: Mapping[str, Sequence[Point]]) -> dict[str, float]:
+    """The estimate constants that fit `calibration` best (least squares), unrounded."""
+    c: dict[str, float] = {}
+    te = calibration["text_encode"]
+    c["TE_PER_TOKEN"] = _lstsq([p["batch"] * p.get("tokens", 512) * _hidden("text_encode", p) * _item(p)
+                                for p in te], [p["bytes"] for p in te], False)[0]
+    s = calibration["sampler"]
+    c["DIT_PER_TOKEN"], c["DIT_FIXED"] = _lstsq(
+        [p["tokens"] for p in s], [p["bytes"] / (p["batch"] * _hidden("sampler", p) * _item(p)) for p in s], True)
+    for kind, name in (("decode", "VAE_DECODE"), ("vae_encode", "VAE_ENCODE")):
+        pts = calibration[kind]
+        c[f"{name}_PER_PIXEL"], c[f"{name}_FIXED"] = _lstsq(
+            [_pixels(p) * _width(p) * _item(p) for p in pts], [p["bytes"] for p in pts], True)
+    t = calibration["tiled"]
+    rest = [p["bytes"] - estimates.vae_bytes(_tile_pixels(p), _width(p), _item(p), c["VAE_DECODE_PER_PIXEL"],
+                                             c["VAE_DECODE_FIXED"]) for p in t]
+    c["TILED_CANVAS"] = _lstsq([_pixels(p) for p in t], rest, False)[0]
+    return c
+
+
+def in_use() -> dict[str, float]:
+    """The constants nodes/estimates.py uses now."""
+    return {name: float(getattr(estimates, name)) for name in CONSTANTS}
+
+
+def predict(kind: str, p: Point, c: Mapping[str, float] | None = None) -> float:
+    """The activation peak (bytes, before the MARGIN) that the estimates' formula gives point `p` with constants `c`
+    (default: those in use)."""
+    c = c or in_use()
+    if kind == "text_encode":
+        return estimates.text_encode_bytes(p["batch"], p.get("tokens", 512), _hidden(kind, p), _item(p),
+                                           c["TE_PER_TOKEN"])
+    if kind == "sampler":
+        return estimates.sampling_bytes(p["batch"], p["tokens"], _hidden(kind, p), _item(p), c["DIT_PER_TOKEN"],
+                                        c["DIT_FIXED"])
+    if kind in ("decode", "vae_encode"):
+        name = "VAE_DECODE" if kind == "decode" else "VAE_ENCODE"
+        return estimates.vae_bytes(_pixels(p), _width(p), _item(p), c[f"{name}_PER_PIXEL"], c[f"{name}_FIXED"])
+    if kind == "tiled":
+        return estimates.tiled_decode_bytes(_tile_pixels(p), _pixels(p), _width(p), _item(p),
+                                            c["VAE_DECODE_PER_PIXEL"], c["VAE_DECODE_FIXED"], c["TILED_CANVAS"])
+    raise ValueError(f"unknown calibration kind {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def errors(calibration: Mapping[str, Sequence[Point]], c: Mapping[str, float] | None = None
+           ) -> list[tuple[str, Point, float]]:
+    """(kind, point, prediction / measurement - 1) of every calibration point."""
+    return [(kind, p, predict(kind, p, c) / p["bytes"] - 1) for kind in KINDS for p in calibration.get(kind, ())]

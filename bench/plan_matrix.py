@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GiB, env
+from _common import GiB, env, peak_bytes
 from vramgraph.graph import planner
 from vramgraph.graph.budget import budget_for
 from vramgraph.graph.executor import Engine
@@ -193,15 +193,6 @@ def diffusers_cells(cards: list[int], sides: list[int]) -> list[dict]:
     return out
 
 
-def measure(fn, *args) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn(*args)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def calibrate(engine: Engine) -> dict:
     """Raw activation peaks of the heavy operations at several shapes (what the estimates are fitted on)."""
     from vramgraph.nodes import ops
@@ -216,7 +207,7 @@ def calibrate(engine: Engine) -> dict:
     tok = engine.tokenizer(None)
     out = {"text_encode": [], "sampler": [], "decode": [], "tiled": [], "vae_encode": []}
     with torch.no_grad():
-        out["text_encode"].append({"batch": 1, "bytes": measure(
+        out["text_encode"].append({"batch": 1, "bytes": peak_bytes(
             ops.encode_text, mods["text_encoder"], tok, ["a lighthouse"])})
         emb = ops.encode_text(mods["text_encoder"], tok, ["a lighthouse"])
         for side in (256, 512, 768, 1024, 1536, 2048):
@@ -227,18 +218,18 @@ def calibrate(engine: Engine) -> dict:
                 if refs and side not in (512, 1024):
                     continue
                 ref_lats = [torch.randn(1, 128, 64, 64) for _ in range(refs)]
-                b = measure(ops.run_sampler, mods["transformer"], nz, lat, emb, emb if cfg != 1 else None,
+                b = peak_bytes(ops.run_sampler, mods["transformer"], nz, lat, emb, emb if cfg != 1 else None,
                             cfg, [1.0, 0.5], ref_lats)
                 out["sampler"].append({"side": side, "cfg": cfg, "refs": refs, "tokens": h * h + 512 + refs * 4096,
                                        "batch": 2 if cfg != 1 else 1, "bytes": b})
             lat = torch.randn(1, 128, h, h)
-            out["decode"].append({"side": side, "bytes": measure(ops.vae_decode, mods["vae"], lat, "gpu")})
+            out["decode"].append({"side": side, "bytes": peak_bytes(ops.vae_decode, mods["vae"], lat, "gpu")})
             if side >= 1536:
                 out["tiled"].append({"side": side,
-                                     "bytes": measure(ops.vae_decode, mods["vae"], lat, "tiled")})
+                                     "bytes": peak_bytes(ops.vae_decode, mods["vae"], lat, "tiled")})
             if side <= 1024:
                 img = torch.rand(1, side, side, 3)
-                out["vae_encode"].append({"side": side, "bytes": measure(ops.vae_encode, mods["vae"], img)})
+                out["vae_encode"].append({"side": side, "bytes": peak_bytes(ops.vae_encode, mods["vae"], img)})
             print(side, flush=True)
     return out
 

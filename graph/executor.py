@@ -242,6 +242,7 @@ class Engine:
         self._pid = ""
         self._cuts: _Cuts | None = None  # the running run's cancellations (see Cancel)
         self._peaks = (0, 0)  # torch allocator peaks (allocated, reserved) since `peaks(reset=True)`, across nodes
+        self._exchange: Any = None  # the running lane's exchange with the other devices' lanes (graph/devices.py)
 
     # -- services for nodes
     def tokenizer(self, path: Path | None) -> PromptTokenizer:
@@ -325,9 +326,12 @@ class Engine:
 
     # -- running
     def run(self, prompt: dict | Prepared, *, extra_pnginfo: dict | None = None, prompt_id: str | None = None,
-            events: Events = _quiet, cancel: Cancel | None = None) -> RunResult:
-        """Run `prompt` (or a prepared one); `cancel` may take outputs out of it while it runs (see Cancel)."""
+            events: Events = _quiet, cancel: Cancel | None = None, exchange: Any = None) -> RunResult:
+        """Run `prompt` (or a prepared one); `cancel` may take outputs out of it while it runs (see Cancel).
+        `exchange` (graph/devices.py): this engine runs one device's lane of a prompt placed on several; inputs
+        made in other lanes come from it (waiting for them) and every node's outputs go to it."""
         with self._lock:
+            self._exchange = exchange
             self._interrupt.clear()
             prep = prompt if isinstance(prompt, Prepared) else self.prepare(prompt)
             pid = self._pid = prompt_id or uuid.uuid4().hex
@@ -347,6 +351,7 @@ class Engine:
                 raise
             finally:
                 self._cuts = None
+                self._exchange = None
             self._keep(prep, values)
             self.ledger.forget(_models_in(self._cache.values()))
             self._release()
@@ -438,6 +443,8 @@ class Engine:
             except _Dropped:  # stopped while it ran: nothing it made is kept
                 self._release()
                 return
+            if self._exchange is not None:
+                self._exchange.put(step.node, values[step.node])
             result.nodes.append(report)
             ui = values.get(("ui", step.node))
             if ui is not None:
@@ -448,8 +455,14 @@ class Engine:
         cls = self.nodes[prep.prompt[node]["class_type"]]
         out = {}
         for name, v in prep.prompt[node]["inputs"].items():
-            out[name] = values[v[0]][v[1]] if is_link(v) else v
+            out[name] = self._value(v[0], values)[v[1]] if is_link(v) else v
         return inputs_with_defaults(cls, out, self.folders)
+
+    def _value(self, node: str, values: dict) -> tuple:
+        """A node's outputs: this run's, else (a lane of a placed prompt) the other lane's, once it has them."""
+        if node not in values and self._exchange is not None:
+            values[node] = self._exchange.get(node)
+        return values[node]
 
     def _seed(self, node: str, prep: Prepared, values: Mapping) -> int | None:
         for a in nx.ancestors(prep.dag, node):
@@ -457,7 +470,7 @@ class Engine:
             for name in ("noise_seed", "seed"):
                 if name in inputs:
                     v = inputs[name]
-                    return values[v[0]][v[1]] if is_link(v) else v
+                    return self._value(v[0], values)[v[1]] if is_link(v) else v
         return None
 
     def _failure(self, node: str, class_type: str, message: str, e: Exception, inputs: Mapping[str, Any],

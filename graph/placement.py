@@ -79,7 +79,7 @@ class Placement:
     finish: float  # predicted seconds with the lanes running at the same time
     sequential: float  # predicted seconds with one lane after the other
     warm: float = 0.0  # predicted finish of the next run of the same graph, from where this one leaves the models
-    warm_bytes: int = 0  # bytes that next run loads
+    warm_bytes: int = 0  # bytes that next run copies to the GPU (loads and streams)
 
     @property
     def score(self) -> tuple:
@@ -207,8 +207,13 @@ def place(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, M
     return min(found, key=lambda kp: kp[0])[1]
 
 
+def _moved(p: Plan) -> int:
+    """Bytes a plan copies to the GPU: its loads and what its runs stream from host memory."""
+    return p.bytes_moved + sum(p.models[m].nbytes for s in p.steps for m in s.streams)
+
+
 def _single(device: str, p: Plan, nxt: Plan) -> Placement:
-    return Placement("one device", (Lane(device, p),), (), p.seconds, p.seconds, nxt.seconds, nxt.bytes_moved)
+    return Placement("one device", (Lane(device, p),), (), p.seconds, p.seconds, nxt.seconds, _moved(nxt))
 
 
 def _global_order(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
@@ -273,10 +278,10 @@ def _build(kind: str, dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Ma
 
     lanes, transfers = lanes_from(starts)
     finish, sequential = _simulate(lanes, transfers, home)
-    warm, warm_bytes = finish, sum(lane.plan.bytes_moved for lane in lanes)
+    warm, warm_bytes = finish, sum(_moved(lane.plan) for lane in lanes)
     if repeat:
         again, moved = lanes_from({lane.device: lane.plan.end for lane in lanes})
-        warm, warm_bytes = _simulate(again, moved, home)[0], sum(lane.plan.bytes_moved for lane in again)
+        warm, warm_bytes = _simulate(again, moved, home)[0], sum(_moved(lane.plan) for lane in again)
     return Placement(kind, tuple(lanes), tuple(transfers), finish, sequential, warm, warm_bytes)
 
 

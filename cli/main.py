@@ -45,6 +45,8 @@ def _engine_args(p: argparse.ArgumentParser, outputs: bool = True, json_flag: bo
     p.add_argument("--vram", default=None, help="GPU budget as a card size, e.g. 12GiB (default: free memory)")
     p.add_argument("--reserve", default=None, help="memory kept free below the budget, e.g. 256MiB")
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
+    p.add_argument("--devices", default=None, metavar="cuda:0,cuda:1|all",
+                   help="several GPUs: the plan places the models on them (--vram then one size or one per device)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on CPU")
     if json_flag:
         p.add_argument("--json", action="store_true", help="errors as ComfyUI's full error JSON on stderr")
@@ -154,7 +156,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(models=models, config=getattr(args, "config", None), input=inputs,
                     output=getattr(args, "output", None), vram=getattr(args, "vram", None),
                     reserve=getattr(args, "reserve", None), device=getattr(args, "device", None),
-                    dtype=getattr(args, "dtype", None))
+                    devices=getattr(args, "devices", None), dtype=getattr(args, "dtype", None))
 
 
 def _pipeline(args: argparse.Namespace, **kw: Any) -> Any:
@@ -263,6 +265,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     pipe = _pipeline(args)
     pipe.settings = pipe.settings.replace(host=args.host)
+    if pipe.settings.devices:
+        return _plan_devices(pipe, args)
     prep, budget = pipe.planned(args.workflow, size=args.size, set=parse_sets(args.set))
     print(json.dumps(prep.plan.to_json(), indent=1) if args.json else prep.plan.table())
     if args.svg:
@@ -270,6 +274,34 @@ def _plan(args: argparse.Namespace) -> int:
         Path(args.svg).write_text(svg, encoding="utf-8")
         log.info("timeline: %s", args.svg)
     return 0
+
+
+def _plan_devices(pipe: Any, args: argparse.Namespace) -> int:
+    """`plan --devices`: the placement on several devices, one plan table (and one timeline lane) per device."""
+    from ..graph.timeline import timeline_svg
+
+    prep, placed, cards = pipe.placed(args.workflow, size=args.size, set=parse_sets(args.set))
+    print(json.dumps(placed.to_json(), indent=1) if args.json else placed.table())
+    if args.svg:
+        lanes = [timeline_svg(lane.plan, f"{Path(args.workflow).name} on {lane.device}", card=cards[lane.device],
+                              prompt=prep.prompt) for lane in placed.lanes]
+        Path(args.svg).write_text(_stack_svgs(lanes), encoding="utf-8")
+        log.info("timeline: %s (one lane per device)", args.svg)
+    return 0
+
+
+def _stack_svgs(parts: list[str]) -> str:
+    """SVG pictures one below the other in one picture."""
+    import re
+
+    sizes = [tuple(float(re.search(rf'{k}="([0-9.]+)', p).group(1)) for k in ("width", "height")) for p in parts]
+    width, y, body = max(w for w, _ in sizes), 0.0, []
+    for p, (_, h) in zip(parts, sizes, strict=True):
+        inner = re.sub(r"^.*?<svg[^>]*>", "", p, count=1, flags=re.S).rsplit("</svg>", 1)[0]
+        body.append(f'<g transform="translate(0,{y:g})">{inner}</g>')
+        y += h
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:g}" height="{y:g}" '
+            f'viewBox="0 0 {width:g} {y:g}">' + "".join(body) + "</svg>\n")
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:

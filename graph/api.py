@@ -182,12 +182,12 @@ class Pipeline:
     def __init__(self, models: str | Path | Sequence[str | Path] | None = None, *, vram: str | int | None = None,
                  reserve: str | int | None = None, device: str | None = None, dtype: str | None = None,
                  input: str | Path | None = None, output: str | Path | None = None, config: str | Path | None = None,
-                 host: str | int | None = None, checkpoint: str | Path | None = None,
+                 host: str | int | None = None, checkpoint: str | Path | None = None, devices: str | None = None,
                  transformer: str = DEFAULT_FILES["transformer"], text_encoder: str = DEFAULT_FILES["text_encoder"],
                  vae: str = DEFAULT_FILES["vae"], settings: Settings | Any = None) -> None:
         base = settings_of(settings) if settings is not None else Settings()
         given = {"models": models, "vram": vram, "reserve": reserve, "device": device, "dtype": dtype,
-                 "input": input, "output": output, "config": config, "host": host}
+                 "input": input, "output": output, "config": config, "host": host, "devices": devices}
         s = base.replace(**{k: v for k, v in given.items() if v is not None})
         self.checkpoint: str | None = None
         if checkpoint is not None:
@@ -210,7 +210,9 @@ class Pipeline:
         for name in ("vram", "reserve", "host"):
             value = getattr(s, name)
             try:
-                size_of(value) if value is not None else None
+                for part in (str(value).split(",") if name == "vram" and s.devices and value is not None else
+                             [value] if value is not None else []):
+                    size_of(part)
             except ValueError as e:
                 raise ValueError(f"--{name} {value}: {e}" if settings is not None else f"{name}={value!r}: {e}") \
                     from None
@@ -342,6 +344,37 @@ class Pipeline:
             resize(wf.prompt, *parse_size(size))
         planning = self._planner(vram)
         return planning.prepare(wf.prompt), planning.budget
+
+    def placed(self, workflow: str | Path | Mapping[str, Any], *, size: str | tuple[int, int] | None = None,
+               set: Mapping[str, Any] | None = None) -> tuple[Any, Any, dict[str, int | None]]:
+        """The placement (graph.placement.Placement) of a workflow on this pipeline's `devices`, without loading
+        any weight; with a size in --vram per device, for cards of those sizes (no GPU needed). Returns the
+        prepared prompt, the placement and each device's card size."""
+        from . import estimate, placement
+        from .budget import budget_for
+
+        s = self.settings
+        if not s.devices:
+            raise ValueError("placed() needs devices, e.g. Pipeline(devices='cuda:0,cuda:1')")
+        vram = s.vram if s.vram is not None else _config_value(s, "vram")
+        if vram is not None:  # cards of these sizes: the names need not exist here
+            names = placement.parse_devices(s.devices, None) if s.devices != "all" else ["cuda:0"]
+        else:
+            import torch
+
+            names = placement.parse_devices(s.devices, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        sizes = placement.split_sizes(None if vram is None else str(vram), len(names))
+        reserve = s.reserve or _config_value(s, "reserve")
+        budgets = {n: budget_for(n if v is None else None, v, reserve, s.host, cap=False)
+                   for n, v in zip(names, sizes, strict=True)}
+        wf = load(workflow, set)
+        if size is not None:
+            resize(wf.prompt, *parse_size(size))
+        prep = self._planner(sizes[0]).prepare(wf.prompt)
+        node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
+        placed = placement.place(prep.dag, node_costs, models, [placement.Device(n, b) for n, b in budgets.items()],
+                                 outputs=prep.outputs)
+        return prep, placed, {n: b.card for n, b in budgets.items()}
 
     def _planner(self, vram: str | int | None) -> Any:
         """A torch-free planning context (graph.planning.Planning). Torch is imported only to measure a device:

@@ -84,6 +84,16 @@ class PlacedRun:
     def unloads(self) -> int:
         return sum(r.unloads for r in self.lanes.values())
 
+    @property
+    def nodes(self) -> list:
+        return [n for r in self.lanes.values() for n in r.nodes]
+
+    @property
+    def cached(self) -> tuple[str, ...]:
+        return self._cached
+
+    _cached: tuple[str, ...] = ()
+
     def to_json(self) -> dict:
         return {"prompt_id": self.prompt_id, "seconds": round(self.seconds, 4), "loads": self.loads,
                 "unloads": self.unloads, "images": [str(p) for p in self.images],
@@ -93,7 +103,8 @@ class PlacedRun:
 
 
 class Devices:
-    """Engines by device name, in the order given (the first validates and estimates)."""
+    """Engines by device name, in the order given (the first validates and estimates). Offers what the Python
+    API and the command line use of an Engine: prepare, prepare_queue, run, free, interrupt, warm_up."""
 
     def __init__(self, engines: Mapping[str, Engine]) -> None:
         if not engines:
@@ -103,6 +114,53 @@ class Devices:
     @property
     def first(self) -> Engine:
         return next(iter(self.engines.values()))
+
+    @property
+    def nodes(self) -> Mapping[str, type]:
+        return self.first.nodes
+
+    @property
+    def folders(self) -> Any:
+        return self.first.folders
+
+    @property
+    def device(self) -> Any:  # the first device's (what a one-device caller shows)
+        return self.first.device
+
+    @property
+    def budget(self) -> planner.Budget:
+        return self.first.budget
+
+    @property
+    def dtype(self) -> str:
+        return self.first.dtype
+
+    @property
+    def cost(self) -> planner.CostModel:
+        return self.first.cost
+
+    @property
+    def previews(self) -> bool:
+        return self.first.previews
+
+    @previews.setter
+    def previews(self, on: bool) -> None:
+        for e in self.engines.values():
+            e.previews = on
+
+    def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:
+        return self.first.prepare(prompt, repeat=repeat)
+
+    def prepare_queue(self, prompts: list[dict], extra_pnginfo: list[dict | None] | None = None) -> tuple:
+        return self.first.prepare_queue(prompts, extra_pnginfo)
+
+    def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
+        for e in self.engines.values():
+            e.free(unload_models, free_memory)
+
+    def warm_up(self) -> None:
+        for e in self.engines.values():
+            e.warm_up()
 
     def interrupt(self) -> None:
         for e in self.engines.values():
@@ -123,12 +181,12 @@ class Devices:
         return prep, placed
 
     def run(self, prompt: dict | Prepared, *, extra_pnginfo: dict | None = None, prompt_id: str | None = None,
-            events: Events = _quiet, repeat: bool = True) -> PlacedRun:
+            events: Events = _quiet, repeat: bool = True, cancel: Any = None) -> PlacedRun:
         import uuid
 
         prep, placed = self.place(prompt, repeat=repeat)
         pid = prompt_id or uuid.uuid4().hex
-        cached = {n: self.first._cache[prep.signatures[n]] for n in prep.cached}
+        cached = {n: self.first._cache[prep.signatures[n]] for n in prep.cached}  # the first engine's cache
         exchange = Exchange(cached)
         infos = [o for c in prep.costs.values() for o in c.outputs if isinstance(o, ModelInfo)]
         lanes: dict[str, RunResult] = {}
@@ -148,7 +206,7 @@ class Devices:
                     engine.ledger.register(info)
                 mine = dataclasses.replace(prep, cached=(), plan=lane.plan)
                 lanes[lane.device] = engine.run(mine, extra_pnginfo=extra_pnginfo, prompt_id=pid,
-                                                events=lane_events, exchange=exchange)
+                                                events=lane_events, cancel=cancel, exchange=exchange)
             except BaseException as e:  # the others must not wait for what this lane will never make
                 errors[lane.device] = e
                 exchange.fail(e)
@@ -172,7 +230,9 @@ class Devices:
             raise first
         events("executing", {"node": None, "prompt_id": pid})
         events("execution_success", {"prompt_id": pid})
-        return PlacedRun(pid, placed, lanes, time.perf_counter() - t0)
+        done = PlacedRun(pid, placed, lanes, time.perf_counter() - t0)
+        done._cached = tuple(prep.cached)
+        return done
 
 
 def devices_from(names: list[str], make: Callable[[str, str | None], Engine], sizes: list[str | None],
@@ -180,13 +240,16 @@ def devices_from(names: list[str], make: Callable[[str, str | None], Engine], si
     """Engines for `names` (made by `make(name, vram)`); a device that cannot be opened is left out with a
     warning, and with one device left this is that device's plain Engine."""
     engines: dict[str, Engine] = {}
+    why: list[str] = []
     for name, vram in zip(names, sizes, strict=True):
         try:
             engines[name] = make(name, vram)
         except Exception as e:  # gone, or out of memory before anything runs: carry on without it
-            warn(f"device {name} cannot be used ({e}); running without it")
+            why.append(f"{name}: {e}")
+            if len(names) > 1:
+                warn(f"device {name} cannot be used ({e}); running without it")
     if not engines:
-        raise ValueError(f"none of the devices {', '.join(names)} can be used")
+        raise ValueError(f"none of the devices {', '.join(names)} can be used ({'; '.join(why)})")
     if len(engines) == 1:
         if len(names) > 1:
             warn(f"only {next(iter(engines))} is usable: running the one-device plan")

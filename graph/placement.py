@@ -314,13 +314,15 @@ def _simulate(lanes: Sequence[Lane], transfers: Sequence[Transfer], home: Mappin
     return max(clock.values(), default=0.0), total
 
 
-def parse_devices(text: str | Sequence[str] | None, visible: int) -> list[str]:
-    """'cuda:0,cuda:1', 'all' (every visible GPU) or a list of names -> device names; a ValueError in one line."""
+def parse_devices(text: str | Sequence[str] | None, visible: int | None) -> list[str]:
+    """'cuda:0,cuda:1', 'all' (every visible GPU) or a list of names -> device names; a ValueError in one line.
+    `visible`: how many CUDA devices there are (None: do not check, e.g. to plan for cards not in this machine,
+    or to leave a missing device to the caller's fallback)."""
     if text is None:
         return []
     items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
     if items == ["all"]:
-        if visible == 0:
+        if not visible:
             raise ValueError("--devices all: no CUDA device here; leave --devices out to run on the CPU")
         return [f"cuda:{i}" for i in range(visible)]
     out = []
@@ -328,7 +330,7 @@ def parse_devices(text: str | Sequence[str] | None, visible: int) -> list[str]:
         name = "cuda:0" if t == "cuda" else t
         if not name.startswith("cuda:") or not name[5:].isdigit():
             raise ValueError(f"--devices {text}: {t!r} is not a CUDA device; write cuda:0,cuda:1 or all")
-        if int(name[5:]) >= visible:
+        if visible is not None and int(name[5:]) >= visible:
             raise ValueError(f"--devices {text}: there {'is' if visible == 1 else 'are'} {visible} CUDA device(s)"
                              + (f", cuda:0..cuda:{visible - 1}" if visible else ""))
         if name in out:

@@ -40,6 +40,7 @@ class Settings:
     vram: str | int | None = None  # a card size with a unit ("12GiB") or bytes as an int
     reserve: str | int | None = None
     device: str | None = None  # "cuda", "cuda:1", "cpu"
+    devices: str | None = None  # several: "cuda:0,cuda:1" or "all" (graph/devices.py); --vram then per device
     dtype: str | None = None  # "bf16" or "fp32"
     host: str | int | None = None  # host RAM budget
     checkpoints: Sequence[str | Path] = ()  # extra roots whose subfolders are checkpoints
@@ -134,11 +135,39 @@ def engine_from(settings: Any, allow_builtin: bool = False, host: str | None = N
 
     s = settings_of(settings)
     cfg = read_config(s)
-    device = parse_device(s.device)
     if s.dtype not in (None, "bf16", "fp32"):
         raise ValueError(f"--dtype {s.dtype}: write bf16 or fp32")
+    if s.devices:
+        return _devices_from(s, cfg, allow_builtin, host)
+    device = parse_device(s.device)
     budget = budget_for(device, s.vram or cfg.get("vram"), s.reserve or cfg.get("reserve"), host or s.host)
     return Engine(folders_from(s), device=str(device), dtype=s.dtype, budget=budget, allow_builtin=allow_builtin)
+
+
+def _devices_from(s: Settings, cfg: dict, allow_builtin: bool, host: str | None) -> Any:
+    """--devices: one engine per device (graph/devices.py), each with its own budget (--vram one size or one per
+    device) and an equal part of the host RAM budget; a device that cannot be opened is left out with a warning."""
+    import torch
+
+    from .budget import budget_for, host_available, parse_size
+    from .devices import devices_from
+    from .executor import Engine
+    from .placement import parse_devices, split_sizes
+
+    if s.device is not None:
+        raise ValueError("--device and --devices: give one of them")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    names = parse_devices(s.devices, visible if s.devices == "all" else None)  # a missing one: left out below
+    sizes = split_sizes(s.vram or cfg.get("vram"), len(names))
+    given = host or s.host
+    share = (parse_size(given) if given is not None else host_available()) // len(names)
+    folders = folders_from(s)
+
+    def make(name: str, vram: str | None) -> Engine:
+        budget = budget_for(parse_device(name), vram, s.reserve or cfg.get("reserve"), share)
+        return Engine(folders, device=name, dtype=s.dtype, budget=budget, allow_builtin=allow_builtin)
+
+    return devices_from(names, make, sizes)
 
 
 def prepare_demo(folder: str | Path = DEMO_FOLDER) -> tuple[Path, Path]:

@@ -136,8 +136,34 @@ def test_one_usable_device_falls_back_with_a_message(tiny_models: Path, input_di
     assert isinstance(got, Engine)
     assert said == ["device cuda:1 cannot be used (CUDA error: no CUDA-capable device is detected); running "
                     "without it", "only cuda:0 is usable: running the one-device plan"]
-    with pytest.raises(ValueError, match="none of the devices"):
+    with pytest.raises(ValueError, match=r"none of the devices cuda:1 can be used \(cuda:1: CUDA error"):
         devices_from(["cuda:1"], make, [None], said.append)
+
+
+def test_plan_devices_on_a_laptop_has_one_lane_per_device(tmp_path: Path) -> None:
+    """`vramgraph plan --devices` with a size per card needs no GPU: the placement, a table per device, the JSON
+    with one lane per device and a timeline with one picture per device."""
+    import json
+    import subprocess
+    import sys
+
+    svg = tmp_path / "two.svg"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "vramgraph", "plan", str(root / "workflows" / "text_to_image.json"),
+                          "--devices", "cuda:0,cuda:1", "--vram", "12GiB,12GiB", "--json", "--svg", str(svg)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    js = json.loads(out.stdout)
+    assert js["kind"] == "split models" and [lane["device"] for lane in js["lanes"]] == ["cuda:0", "cuda:1"]
+    labels = {lane["device"]: {m["label"] for m in lane["plan"]["models"].values()} for lane in js["lanes"]}
+    assert labels == {"cuda:0": {"text encoder"}, "cuda:1": {"transformer", "vae"}}
+    assert js["loads"] == 3 and all(s["kind"] != "unload" for lane in js["lanes"] for s in lane["plan"]["steps"])
+    text = svg.read_text()
+    assert text.count("on cuda:0") == 1 and text.count("on cuda:1") == 1
+    bad = subprocess.run([sys.executable, "-m", "vramgraph", "plan", str(root / "workflows" / "text_to_image.json"),
+                          "--devices", "cuda:0,cuda:1", "--vram", "12GiB,8GiB,4GiB"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert bad.returncode != 0 and "3 sizes for 2 devices" in bad.stderr
 
 
 def test_the_planner_budget_of_each_lane_is_its_own(tiny_models: Path, input_dir: Path, tmp_path: Path) -> None:

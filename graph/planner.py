@@ -35,6 +35,7 @@ Nothing is ever unloaded unless a node forces it out, and nothing is loaded befo
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -372,8 +373,8 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
     pos = {n: i for i, n in enumerate(nodes)}
     indeg = {n: dag.in_degree(n) for n in nodes}
     left = {n: dag.out_degree(n) for n in nodes}  # consumers not yet run
-    ready = [n for n in nodes if indeg[n] == 0]
     resident: list[str] = sorted(start.gpu)  # least recently used first
+    uses = Counter(m for n in nodes for m in dict.fromkeys(prov[n].models))  # runs left that need each model
     live = peak = 0
     order: list[str] = []
 
@@ -384,26 +385,52 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
         out = sum(costs[p].host_bytes for p in dag.predecessors(n) if left[p] == 1)
         return out + (costs[n].host_bytes if left[n] == 0 else 0)
 
-    while ready:
+    def displaces(n: str, res: set[str]) -> bool:
+        """Running n now would push out a resident model that a later run still needs (e.g. a decode that does
+        not fit beside the transformer while other prompts still have to sample)."""
+        v = prov[n]
+        over = sum(sizes.w(m) for m in res | set(v.models)) + v.activation - gpu
+        if over <= 0:
+            return False
+        dead = sum(sizes.w(m) for m in res if m not in v.models and uses[m] == 0)
+        return over > dead
+
+    # ready nodes in groups of equal (models, activation, host bytes): they rank alike, earliest first in each
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+
+    def add(n: str) -> None:
+        heapq.heappush(groups.setdefault((prov[n].models, prov[n].activation, costs[n].host_bytes), []), (pos[n], n))
+
+    for n in nodes:
+        if indeg[n] == 0:
+            add(n)
+    while groups:
         res = set(resident)
-        cands = sorted(ready, key=lambda n: (not set(prov[n].models) <= res, pos[n]))
-        pick = next((n for n in cands if during(n) <= host_limit), None)
-        if pick is None:  # nothing fits in host RAM: the node that leaves the least held, earliest first
-            pick = min(cands, key=lambda n: (during(n) - freed(n), pos[n]))
+        ranked = sorted((not set(k[0]) <= res, displaces(h[0][1], res), h[0][0], k) for k, h in groups.items())
+        key = next((k for *_, k in ranked if live + k[2] <= host_limit), None)
+        if key is not None:
+            pick = heapq.heappop(groups[key])[1]
+        else:  # nothing fits in host RAM: the node that leaves the least held, earliest first
+            pick = min((n for h in groups.values() for _, n in h), key=lambda n: (during(n) - freed(n), pos[n]))
+            key = (prov[pick].models, prov[pick].activation, costs[pick].host_bytes)
+            groups[key].remove((pos[pick], pick))
+            heapq.heapify(groups[key])
             log.warning("node outputs need %s GiB of host RAM at %r, above the %s GiB available",
                         _gib(during(pick)), pick, _gib(host_limit))
+        if not groups[key]:
+            del groups[key]
         peak = max(peak, during(pick))
         live = during(pick) - freed(pick)
         for p in dag.predecessors(pick):
             left[p] -= 1
         order.append(pick)
-        ready.remove(pick)
         for s in dag.successors(pick):
             indeg[s] -= 1
             if indeg[s] == 0:
-                ready.append(s)
+                add(s)
         v = prov[pick]
         for m in dict.fromkeys(v.models):
+            uses[m] -= 1
             if m in resident:
                 resident.remove(m)
             resident.append(m)
@@ -454,8 +481,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         return 0.0, _INF  # never used again
 
     def evictions(i: int, v: Variant) -> tuple[list[str], float]:
-        total = sum(sizes.w(m) for m in resident) + sum(sizes.w(m) for m in dict.fromkeys(v.models)
-                                                         if m not in resident) + v.activation
+        total = held + sum(sizes.w(m) for m in dict.fromkeys(v.models) if m not in resident) + v.activation
         if total <= gpu:
             return [], 0.0
         keyed = sorted(((*evict_cost(m, i, v), m) for m in resident if m not in v.models),
@@ -472,8 +498,14 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 total += sizes.w(t[2])
         return [m for _, _, m in out], sum(c for c, _, _ in out)
 
+    held = sum(sizes.w(m) for m in resident)  # bytes of the resident weights
     for i, node in enumerate(order):
         nc = costs[node]
+        if len(nc.variants) == 1 and not nc.variants[0].models and not nc.variants[0].streams \
+                and held + nc.variants[0].activation <= gpu:  # a host node, or one without weights: nothing moves
+            v = chosen[node] = nc.variants[0]
+            steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), v.seconds, v.note))
+            continue
         best: tuple[float, Variant, list[str]] | None = None
         options: list[tuple[Variant, float | None]] = []
         for v in nc.variants:
@@ -495,8 +527,9 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         chosen[node] = v
         for m in out:
             resident.remove(m)
+            held -= sizes.w(m)
             to = "pinned" if m in pinned else "drop"
-            steps.append(PlannedStep(Unload(m, to), sum(sizes.w(r) for r in resident), tuple(resident), 0.0,
+            steps.append(PlannedStep(Unload(m, to), held, tuple(resident), 0.0,
                                      f"makes room for {node} ({nc.class_type})"))
         for m in dict.fromkeys(v.models):
             if m in resident:
@@ -507,8 +540,9 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             if pin:
                 pinned.add(m)
             resident.append(m)
+            held += sizes.w(m)
             loads[m] += 1
-            steps.append(PlannedStep(Load(m, src, pin), sum(sizes.w(r) for r in resident), tuple(resident), secs,
+            steps.append(PlannedStep(Load(m, src, pin), held, tuple(resident), secs,
                                      f"for {node}" + (", pinned while loading" if pin else "")))
         for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
             if m in pins:
@@ -518,8 +552,8 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
                              for a, ta in options if a is not v)
             note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
-        steps.append(PlannedStep(Run(node, v.name), sum(sizes.w(r) for r in resident) + v.activation,
-                                 tuple(resident), v.seconds, note, tuple(v.streams)))
+        steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), v.seconds, note,
+                                 tuple(v.streams)))
     return _Assigned(steps, chosen, Residency(frozenset(resident), frozenset(pinned)), loads)
 
 
@@ -567,11 +601,11 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen.values()), default=0) \
             > budget.gpu:
         evicted |= used_models  # the models cannot all stay: any of them may have to leave for a later prompt
-    if repeat:
+    used = {m for n in order for v in costs[n].variants for m in v.models}
+    if repeat and not used <= evicted:  # (the next run can only add candidates that are not in yet)
         nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat)
         evicted |= {s.step.model for s in nxt.steps if isinstance(s.step, Unload)}
         evicted |= {m for v in nxt.chosen.values() for m in v.streams}
     pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
-    used = {m for n in order for v in costs[n].variants for m in v.models}
     done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)
     return Plan(tuple(done.steps), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes})

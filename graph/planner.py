@@ -371,64 +371,67 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
            prov: Mapping[str, Variant], start: Residency, host_limit: int) -> tuple[list[str], int]:
     """Pass 1: the run order (see the module docstring) and the peak of host bytes held by live outputs."""
     pos = {n: i for i, n in enumerate(nodes)}
-    indeg = {n: dag.in_degree(n) for n in nodes}
-    left = {n: dag.out_degree(n) for n in nodes}  # consumers not yet run
+    preds = {n: tuple(dag.pred[n]) for n in nodes}
+    succs = {n: tuple(dag.succ[n]) for n in nodes}
+    indeg = {n: len(preds[n]) for n in nodes}
+    left = {n: len(succs[n]) for n in nodes}  # consumers not yet run
+    hb = {n: costs[n].host_bytes for n in nodes}
     resident: list[str] = sorted(start.gpu)  # least recently used first
     uses = Counter(m for n in nodes for m in dict.fromkeys(prov[n].models))  # runs left that need each model
     live = peak = 0
     order: list[str] = []
 
-    def during(n: str) -> int:
-        return live + costs[n].host_bytes
-
     def freed(n: str) -> int:
-        out = sum(costs[p].host_bytes for p in dag.predecessors(n) if left[p] == 1)
-        return out + (costs[n].host_bytes if left[n] == 0 else 0)
+        return sum(hb[p] for p in preds[n] if left[p] == 1) + (hb[n] if left[n] == 0 else 0)
 
-    def displaces(n: str, res: set[str]) -> bool:
-        """Running n now would push out a resident model that a later run still needs (e.g. a decode that does
-        not fit beside the transformer while other prompts still have to sample)."""
-        v = prov[n]
-        over = sum(sizes.w(m) for m in res | set(v.models)) + v.activation - gpu
+    def rank(k: tuple, res: set[str], held: int) -> tuple[bool, bool]:
+        """(its models are not all resident, running it now would push out a resident model that a later run
+        still needs: e.g. a decode that does not fit beside the transformer while other prompts still sample)."""
+        need, act = k[0], k[1]
+        missing = [m for m in dict.fromkeys(need) if m not in res]
+        over = held + sum(sizes.w(m) for m in missing) + act - gpu
         if over <= 0:
-            return False
-        dead = sum(sizes.w(m) for m in res if m not in v.models and uses[m] == 0)
-        return over > dead
+            return bool(missing), False
+        dead = sum(sizes.w(m) for m in res if m not in need and uses[m] == 0)
+        return bool(missing), over > dead
 
     # ready nodes in groups of equal (models, activation, host bytes): they rank alike, earliest first in each
     groups: dict[tuple, list[tuple[int, str]]] = {}
 
     def add(n: str) -> None:
-        heapq.heappush(groups.setdefault((prov[n].models, prov[n].activation, costs[n].host_bytes), []), (pos[n], n))
+        heapq.heappush(groups.setdefault((prov[n].models, prov[n].activation, hb[n]), []), (pos[n], n))
 
     for n in nodes:
         if indeg[n] == 0:
             add(n)
     while groups:
         res = set(resident)
-        ranked = sorted((not set(k[0]) <= res, displaces(h[0][1], res), h[0][0], k) for k, h in groups.items())
+        held = sum(sizes.w(m) for m in resident)
+        ranked = sorted((*rank(k, res, held), h[0][0], k) for k, h in groups.items())
         key = next((k for *_, k in ranked if live + k[2] <= host_limit), None)
         if key is not None:
             pick = heapq.heappop(groups[key])[1]
         else:  # nothing fits in host RAM: the node that leaves the least held, earliest first
-            pick = min((n for h in groups.values() for _, n in h), key=lambda n: (during(n) - freed(n), pos[n]))
-            key = (prov[pick].models, prov[pick].activation, costs[pick].host_bytes)
+            pick = min((n for h in groups.values() for _, n in h), key=lambda n: (live + hb[n] - freed(n), pos[n]))
+            key = (prov[pick].models, prov[pick].activation, hb[pick])
             groups[key].remove((pos[pick], pick))
             heapq.heapify(groups[key])
             log.warning("node outputs need %s GiB of host RAM at %r, above the %s GiB available",
-                        _gib(during(pick)), pick, _gib(host_limit))
+                        _gib(live + hb[pick]), pick, _gib(host_limit))
         if not groups[key]:
             del groups[key]
-        peak = max(peak, during(pick))
-        live = during(pick) - freed(pick)
-        for p in dag.predecessors(pick):
+        peak = max(peak, live + hb[pick])
+        live = live + hb[pick] - freed(pick)
+        for p in preds[pick]:
             left[p] -= 1
         order.append(pick)
-        for s in dag.successors(pick):
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                add(s)
+        for n in succs[pick]:
+            indeg[n] -= 1
+            if indeg[n] == 0:
+                add(n)
         v = prov[pick]
+        if not v.models and not v.activation:
+            continue
         for m in dict.fromkeys(v.models):
             uses[m] -= 1
             if m in resident:

@@ -81,13 +81,23 @@ class NodeCost:
 
 @dataclass(frozen=True)
 class CostModel:
+    """What moving and computing cost on one machine (graph/costs.py: named profiles and the start-up probe).
+    The defaults are the H200's measured constants; node estimates state their seconds on the H200 too."""
+
     h2d_pinned: float = 55.3e9  # bytes/s, host->GPU from pinned host memory (H200 measured)
     h2d_pageable: float = 8.06e9  # bytes/s from pageable memory
     disk: float = 2.0e9  # bytes/s reading a memory-mapped checkpoint from disk
+    compute: float = 1.0  # GPU seconds here per H200 second (8.0: a GPU with 1/8 of the H200's bf16 rate)
+    name: str = "h200"  # shown with the plan's totals, so a plan says whose seconds it predicts
 
     def load_seconds(self, nbytes: int, pinned: bool) -> float:
         """Pinned: one PCIe copy. From the file: the slower of the disk read and the pageable copy."""
         return nbytes / (self.h2d_pinned if pinned else min(self.disk, self.h2d_pageable))
+
+    def run_seconds(self, v: Variant) -> float:
+        """A variant's compute time here: GPU work (it uses a model on the GPU, resident or streamed) scales with
+        `compute`; CPU and host work is taken as estimated."""
+        return v.seconds * self.compute if v.models or v.streams else v.seconds
 
 
 @dataclass(frozen=True)
@@ -194,6 +204,7 @@ class Plan:
     end: Residency
     start: Residency = Residency()
     classes: Mapping[str, str] = field(default_factory=dict)  # node id -> class_type, for display
+    cost: CostModel = CostModel()  # the cost profile the seconds are predicted with
 
     @property
     def loads(self) -> int:
@@ -244,6 +255,7 @@ class Plan:
             "bytes_moved": self.bytes_moved,
             "seconds": self.seconds,
             "peak": self.peak,
+            "cost_profile": self.cost.name,
         }
 
     def describe(self, s: PlannedStep) -> tuple[str, str, str]:
@@ -267,7 +279,7 @@ class Plan:
                  for r in rows]
         lines.insert(1, "-" * len(lines[0]))
         lines.append(f"{self.loads} loads, {_gib(self.bytes_moved)} GiB moved, peak {_gib(self.peak)} of "
-                     f"{_gib(self.budget.gpu)} GiB, {self.seconds:.3f} s predicted")
+                     f"{_gib(self.budget.gpu)} GiB, {self.seconds:.3f} s predicted (costs: {self.cost.name})")
         return "\n".join(lines)
 
     def graph(self) -> nx.DiGraph:
@@ -507,7 +519,8 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         if len(nc.variants) == 1 and not nc.variants[0].models and not nc.variants[0].streams \
                 and held + nc.variants[0].activation <= gpu:  # a host node, or one without weights: nothing moves
             v = chosen[node] = nc.variants[0]
-            steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), v.seconds, v.note))
+            steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), cm.run_seconds(v),
+                                     v.note))
             continue
         best: tuple[float, Variant, list[str]] | None = None
         options: list[tuple[Variant, float | None]] = []
@@ -517,7 +530,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 continue
             out, reload_s = evictions(i, v)
             missing = [m for m in dict.fromkeys(v.models) if m not in resident]
-            t = v.seconds + reload_s + sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
+            t = cm.run_seconds(v) + reload_s + sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
             t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams if m not in resident)
             if any(m in resident for m in v.streams):  # streaming a resident model would hold it twice
                 options.append((v, None))
@@ -555,7 +568,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
                              for a, ta in options if a is not v)
             note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
-        steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), v.seconds, note,
+        steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), cm.run_seconds(v), note,
                                  tuple(v.streams)))
     return _Assigned(steps, chosen, Residency(frozenset(resident), frozenset(pinned)), loads)
 
@@ -611,4 +624,5 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         evicted |= {m for v in nxt.chosen.values() for m in v.streams}
     pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
     done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)
-    return Plan(tuple(done.steps), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes})
+    return Plan(tuple(done.steps), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes},
+                cost)

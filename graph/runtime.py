@@ -42,6 +42,7 @@ class Settings:
     device: str | None = None  # "cuda", "cuda:1", "cpu"
     dtype: str | None = None  # "bf16" or "fp32"
     host: str | int | None = None  # host RAM budget
+    profile: str | None = None  # cost profile name (graph/costs.py); None: probe the GPU
     checkpoints: Sequence[str | Path] = ()  # extra roots whose subfolders are checkpoints
 
     def replace(self, **changes: Any) -> Settings:
@@ -137,8 +138,13 @@ def engine_from(settings: Any, allow_builtin: bool = False, host: str | None = N
     device = parse_device(s.device)
     if s.dtype not in (None, "bf16", "fp32"):
         raise ValueError(f"--dtype {s.dtype}: write bf16 or fp32")
+    from .costs import cost_for, profile
+
+    if s.profile:
+        profile(s.profile)  # a wrong name is refused before anything is measured
     budget = budget_for(device, s.vram or cfg.get("vram"), s.reserve or cfg.get("reserve"), host or s.host)
-    return Engine(folders_from(s), device=str(device), dtype=s.dtype, budget=budget, allow_builtin=allow_builtin)
+    return Engine(folders_from(s), device=str(device), dtype=s.dtype, budget=budget, allow_builtin=allow_builtin,
+                  cost=cost_for(device, s.profile))
 
 
 def prepare_demo(folder: str | Path = DEMO_FOLDER) -> tuple[Path, Path]:

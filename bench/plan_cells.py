@@ -22,6 +22,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ("text_to_image.json", "text_to_image_base.json", "edit.json", "multi_reference.json",
              "core_text_to_image.json")
 GiB = 2**30
+INPUT = Path(tempfile.gettempdir()) / "vramgraph-plan-cells-input"
 
 
 def _import():
@@ -128,7 +130,7 @@ def planning_for(card: int, profile: str | None):
     """The torch-free planning context `vramgraph plan --vram CARD` uses (klein sizes, no weights)."""
     from vramgraph.graph.api import Pipeline
 
-    pipe = Pipeline(input=str(Path(__file__).parent / "results" / "plan_cells_input"))
+    pipe = Pipeline(input=str(INPUT))
     kw = {"profile": profile} if profile else {}
     return pipe._planner(f"{card}GiB", **kw) if kw else pipe._planner(f"{card}GiB")
 
@@ -136,11 +138,10 @@ def planning_for(card: int, profile: str | None):
 def demo_inputs() -> None:
     from vramgraph.graph.runtime import DEMO_IMAGES, demo_image
 
-    folder = Path(__file__).parent / "results" / "plan_cells_input"
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, (name, size) in enumerate(DEMO_IMAGES.items()):
-        if not (folder / name).is_file():
-            demo_image(size, i).save(folder / name)
+    INPUT.mkdir(parents=True, exist_ok=True)
+    for i, (name, size) in enumerate(DEMO_IMAGES.items()):  # the images the edit workflows load
+        if not (INPUT / name).is_file():
+            demo_image(size, i).save(INPUT / name)
 
 
 def summarize(cells: list[dict]) -> dict:

@@ -6,8 +6,10 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
 
 1. **Order** (`_order`). A topological order built one node at a time. Among the ready nodes, prefer one
    whose preferred variant's models are already resident (this groups work by model: a queue of N prompts
-   becomes encode all, sample all, decode all), then the lowest original position (insertion order of
-   `dag.nodes`). Host RAM held by node outputs (`NodeCost.host_bytes`, alive from the producer's run until
+   becomes encode all, sample all, decode all), then one that would not push out a resident model that a
+   later node still needs (a queued edit's decode that cannot sit beside the transformer waits until every
+   prompt has sampled), then the lowest original position (insertion order of `dag.nodes`). Host RAM held
+   by node outputs (`NodeCost.host_bytes`, alive from the producer's run until
    its last consumer has run) must stay within `budget.host` minus the pinned copies that already exist;
    a ready node that would exceed it is passed over, which falls back to finishing the earlier chains
    first. Residency in this pass is a rough sketch (least recently used models leave when the budget is

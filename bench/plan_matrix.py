@@ -1,6 +1,8 @@
 """Planned residency on the H200 under emulated cards: budgets x sizes, two images each, vs diffusers offload.
 
     python3 bench/plan_matrix.py OUT.json [--calibrate] [--sizes 512,1024,1536,2048] [--cards 0,80,24,16,12,10,8]
+    python3 bench/plan_matrix.py OUT.json --plan-only      (no GPU: the planner over workflows x cards x sizes x
+                                                            queues, bench/plan_cells.py)
 
 Random weights at klein-4B shapes are written once as ComfyUI-layout files in /dev/shm (host RAM) and
 pinned by the engine; every cell starts with all weights in pinned host RAM and nothing on the GPU. A
@@ -269,6 +271,11 @@ def summarize(report: dict) -> dict:
 
 
 def main() -> None:
+    if "--plan-only" in sys.argv:  # the planner alone, on the CPU: bench/plan_cells.py
+        import plan_cells
+
+        plan_cells.main(sys.argv[1:])
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--calibrate", action="store_true")

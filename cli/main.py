@@ -2,7 +2,7 @@
 
     vramgraph run WORKFLOW.json [--models DIR] [--set NODE.INPUT=VALUE ...] [-o DIR]
     vramgraph validate WORKFLOW.json
-    vramgraph plan WORKFLOW.json [--vram 12GiB] [--size 1536x1536] [--json]
+    vramgraph plan WORKFLOW.json [WORKFLOW2.json ...] [--prompts N] [--vram 12GiB] [--size 1536x1536] [--json]
     vramgraph generate -p PROMPT [-W 1024 -H 1024 -S SEED --steps N --guidance G -i REF ...] [-o FILE]
     vramgraph inspect MODEL...      vramgraph demo      vramgraph session
     vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB]
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..graph.costs import PROFILES
+from ..graph.planner import DEFAULT_RESERVE
 from ..graph.runtime import DEMO_FOLDER, Settings, folders_from, no_models_hint, prepare_demo
 
 log = logging.getLogger("vramgraph")
@@ -43,7 +45,10 @@ def _engine_args(p: argparse.ArgumentParser, outputs: bool = True, json_flag: bo
     if outputs:
         p.add_argument("-o", "--output", default=None, help="output folder (default ./output)")
     p.add_argument("--vram", default=None, help="GPU budget as a card size, e.g. 12GiB (default: free memory)")
-    p.add_argument("--reserve", default=None, help="memory kept free below the budget, e.g. 256MiB")
+    p.add_argument("--reserve", default=None,
+                   help=f"memory kept free below the budget (default {DEFAULT_RESERVE // 2**20}MiB)")
+    p.add_argument("--profile", default=None, choices=sorted(PROFILES),
+                   help="cost profile the plan predicts seconds with (default: probe the GPU; without one: h200)")
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
     p.add_argument("--devices", default=None, metavar="cuda:0,cuda:1|all",
                    help="several GPUs: the plan places the models on them (--vram then one size or one per device)")
@@ -69,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(v, outputs=False, json_flag=False)
     v.add_argument("--json", action="store_true", help="print ComfyUI's /prompt answer as JSON on stdout")
     p = sub.add_parser("plan", help="print the memory plan (no weights needed) and write its timeline SVG")
-    p.add_argument("workflow")
+    p.add_argument("workflow", nargs="+", help="one workflow, or several: they are planned as one queue, as run does")
+    p.add_argument("--prompts", type=int, default=1, metavar="N",
+                   help="queue each workflow N times (seeds counted up, texts told apart), as N queued prompts")
     p.add_argument("--set", action="append", default=[], metavar="NODE.INPUT=VALUE")
     p.add_argument("--size", default=None, help="WxH for every latent/scheduler size in the workflow")
     p.add_argument("--json", action="store_true", help="print the plan (and errors) as JSON")
@@ -156,7 +163,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(models=models, config=getattr(args, "config", None), input=inputs,
                     output=getattr(args, "output", None), vram=getattr(args, "vram", None),
                     reserve=getattr(args, "reserve", None), device=getattr(args, "device", None),
-                    devices=getattr(args, "devices", None), dtype=getattr(args, "dtype", None))
+                    devices=getattr(args, "devices", None), dtype=getattr(args, "dtype", None),
+                    profile=getattr(args, "profile", None))
 
 
 def _pipeline(args: argparse.Namespace, **kw: Any) -> Any:
@@ -265,12 +273,16 @@ def _plan(args: argparse.Namespace) -> int:
 
     pipe = _pipeline(args)
     pipe.settings = pipe.settings.replace(host=args.host)
+    if args.prompts < 1:
+        raise ValueError(f"--prompts {args.prompts}: give 1 or more")
     if pipe.settings.devices:
         return _plan_devices(pipe, args)
-    prep, budget = pipe.planned(args.workflow, size=args.size, set=parse_sets(args.set))
+    several = args.workflow if len(args.workflow) > 1 else args.workflow[0]
+    prep, budget = pipe.planned(several, size=args.size, set=parse_sets(args.set), prompts=args.prompts)
     print(json.dumps(prep.plan.to_json(), indent=1) if args.json else prep.plan.table())
     if args.svg:
-        svg = timeline_svg(prep.plan, Path(args.workflow).name, card=budget.card, prompt=prep.prompt)
+        title = " + ".join(Path(w).name for w in args.workflow) + (f" x {args.prompts}" if args.prompts > 1 else "")
+        svg = timeline_svg(prep.plan, title, card=budget.card, prompt=prep.prompt)
         Path(args.svg).write_text(svg, encoding="utf-8")
         log.info("timeline: %s", args.svg)
     return 0
@@ -280,10 +292,12 @@ def _plan_devices(pipe: Any, args: argparse.Namespace) -> int:
     """`plan --devices`: the placement on several devices, one plan table (and one timeline lane) per device."""
     from ..graph.timeline import timeline_svg
 
-    prep, placed, cards = pipe.placed(args.workflow, size=args.size, set=parse_sets(args.set))
+    several = args.workflow if len(args.workflow) > 1 else args.workflow[0]
+    prep, placed, cards = pipe.placed(several, size=args.size, set=parse_sets(args.set), prompts=args.prompts)
     print(json.dumps(placed.to_json(), indent=1) if args.json else placed.table())
     if args.svg:
-        lanes = [timeline_svg(lane.plan, f"{Path(args.workflow).name} on {lane.device}", card=cards[lane.device],
+        title = " + ".join(Path(w).name for w in args.workflow) + (f" x {args.prompts}" if args.prompts > 1 else "")
+        lanes = [timeline_svg(lane.plan, f"{title} on {lane.device}", card=cards[lane.device],
                               prompt=prep.prompt) for lane in placed.lanes]
         Path(args.svg).write_text(_stack_svgs(lanes), encoding="utf-8")
         log.info("timeline: %s (one lane per device)", args.svg)

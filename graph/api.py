@@ -19,6 +19,7 @@ events (ComfyUI's websocket message types) for progress.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import secrets
@@ -182,12 +183,14 @@ class Pipeline:
     def __init__(self, models: str | Path | Sequence[str | Path] | None = None, *, vram: str | int | None = None,
                  reserve: str | int | None = None, device: str | None = None, dtype: str | None = None,
                  input: str | Path | None = None, output: str | Path | None = None, config: str | Path | None = None,
-                 host: str | int | None = None, checkpoint: str | Path | None = None, devices: str | None = None,
+                 host: str | int | None = None, checkpoint: str | Path | None = None, profile: str | None = None,
+                 devices: str | None = None,
                  transformer: str = DEFAULT_FILES["transformer"], text_encoder: str = DEFAULT_FILES["text_encoder"],
                  vae: str = DEFAULT_FILES["vae"], settings: Settings | Any = None) -> None:
         base = settings_of(settings) if settings is not None else Settings()
         given = {"models": models, "vram": vram, "reserve": reserve, "device": device, "dtype": dtype,
-                 "input": input, "output": output, "config": config, "host": host, "devices": devices}
+                 "input": input, "output": output, "config": config, "host": host, "profile": profile,
+                 "devices": devices}
         s = base.replace(**{k: v for k, v in given.items() if v is not None})
         self.checkpoint: str | None = None
         if checkpoint is not None:
@@ -205,6 +208,10 @@ class Pipeline:
         self.folders = folders_from(s)
         if s.device is not None:  # a wrong device or size is refused now, not at the first image
             parse_device(s.device)
+        if s.profile is not None:
+            from .costs import profile as named
+
+            named(s.profile)
         from .budget import parse_size as size_of
 
         for name in ("vram", "reserve", "host"):
@@ -326,30 +333,44 @@ class Pipeline:
 
         return validate(load(workflow, set).prompt, ENGINE_NODES, self.folders)
 
-    def plan(self, workflow: str | Path | Mapping[str, Any], *, vram: str | int | None = None,
-             size: str | tuple[int, int] | None = None, set: Mapping[str, Any] | None = None) -> Any:
+    def plan(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
+             vram: str | int | None = None, size: str | tuple[int, int] | None = None,
+             set: Mapping[str, Any] | None = None, prompts: int = 1) -> Any:
         """The memory plan (graph.planner.Plan) of a workflow, without loading any weight: files that are
         present give their real sizes, absent ones the built-in klein sizes. `vram` plans for another card
-        (default: this pipeline's budget); `size` ("WxH") sets every latent size. Models this pipeline holds
-        do not count: the plan starts from an empty GPU."""
-        return self.planned(workflow, vram=vram, size=size, set=set)[0].plan
+        (default: this pipeline's budget); `size` ("WxH") sets every latent size. Several workflows (a list), or
+        `prompts` > 1 (each workflow queued that many times, with seeds counting up and texts told apart), are
+        planned as one queue, as `run` plans them. Models this pipeline holds do not count: the plan starts from
+        an empty GPU."""
+        return self.planned(workflow, vram=vram, size=size, set=set, prompts=prompts)[0].plan
 
-    def planned(self, workflow: str | Path | Mapping[str, Any], *, vram: str | int | None = None,
-                size: str | tuple[int, int] | None = None, set: Mapping[str, Any] | None = None
-                ) -> tuple[Any, Any]:
+    def planned(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
+                vram: str | int | None = None, size: str | tuple[int, int] | None = None,
+                set: Mapping[str, Any] | None = None, prompts: int = 1) -> tuple[Any, Any]:
         """`plan`'s work in full: the prepared prompt (graph.planning.Prepared: the prompt as planned, its costs and
         the plan) and the budget it was planned for (what the plan picture's title names)."""
-        wf = load(workflow, set)
-        if size is not None:
-            resize(wf.prompt, *parse_size(size))
+        if isinstance(prompts, bool) or not isinstance(prompts, int) or prompts < 1:
+            raise ValueError(f"prompts={prompts!r}: give a whole number of prompts, 1 or more")
+        wfs = [load(w, set) for w in (workflow if isinstance(workflow, list | tuple) else [workflow])]
+        queue = []
+        for wf in wfs:
+            if size is not None:
+                resize(wf.prompt, *parse_size(size))
+            queue += [queued_copy(wf.prompt, i) for i in range(prompts)]
         planning = self._planner(vram)
-        return planning.prepare(wf.prompt), planning.budget
+        if len(queue) == 1:
+            return planning.prepare(queue[0]), planning.budget
+        from .queue import merge
 
-    def placed(self, workflow: str | Path | Mapping[str, Any], *, size: str | tuple[int, int] | None = None,
-               set: Mapping[str, Any] | None = None) -> tuple[Any, Any, dict[str, int | None]]:
-        """The placement (graph.placement.Placement) of a workflow on this pipeline's `devices`, without loading
-        any weight; with a size in --vram per device, for cards of those sizes (no GPU needed). Returns the
-        prepared prompt, the placement and each device's card size."""
+        outputs = frozenset(k for k, c in planning.nodes.items() if getattr(c, "OUTPUT_NODE", False))
+        return planning.prepare(merge(queue, outputs).prompt), planning.budget
+
+    def placed(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
+               size: str | tuple[int, int] | None = None, set: Mapping[str, Any] | None = None, prompts: int = 1
+               ) -> tuple[Any, Any, dict[str, int | None]]:
+        """The placement (graph.placement.Placement) of a workflow (or a queue, as `planned` makes it) on this
+        pipeline's `devices`, without loading any weight; with a size in --vram per device, for cards of those
+        sizes (no GPU needed). Returns the prepared prompt, the placement and each device's card size."""
         from . import estimate, placement
         from .budget import budget_for
 
@@ -367,10 +388,7 @@ class Pipeline:
         reserve = s.reserve or _config_value(s, "reserve")
         budgets = {n: budget_for(n if v is None else None, v, reserve, s.host, cap=False)
                    for n, v in zip(names, sizes, strict=True)}
-        wf = load(workflow, set)
-        if size is not None:
-            resize(wf.prompt, *parse_size(size))
-        prep = self._planner(sizes[0]).prepare(wf.prompt)
+        prep, _ = self.planned(workflow, vram=sizes[0], size=size, set=set, prompts=prompts)
         node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
         placed = placement.place(prep.dag, node_costs, models, [placement.Device(n, b) for n, b in budgets.items()],
                                  outputs=prep.outputs)
@@ -382,6 +400,7 @@ class Pipeline:
         is for a card of that size, as a process finds it before it holds any of it."""
         from ..nodes.catalog import ModelCatalog
         from .budget import budget_for
+        from .costs import cost_for
         from .planning import Planning
 
         s = self.settings
@@ -393,8 +412,24 @@ class Pipeline:
             # a plan is for the GPU, where the models run in bf16 (fp32 is only the CPU's run default)
             dtype = s.dtype or "bf16"
             self._planners[vram] = Planning(self.folders, ModelCatalog(self.folders, dtype, allow_builtin=True),
-                                            budget)
+                                            budget, cost=cost_for(device, s.profile))
         return self._planners[vram]
+
+
+def queued_copy(prompt: dict, i: int) -> dict:
+    """The i-th prompt of a planned queue of one workflow: the same graph with its seeds counted up by i and, past
+    the first, its prompt texts told apart (so that, as in a queue of real prompts, no encode or sample is shared)."""
+    if i == 0:
+        return prompt
+    out = copy.deepcopy(prompt)
+    for node in out.values():
+        inputs = node.get("inputs", {})
+        for key in ("seed", "noise_seed"):
+            if isinstance(inputs.get(key), int) and not isinstance(inputs[key], bool):
+                inputs[key] += i
+        if isinstance(inputs.get("text"), str) and inputs["text"]:
+            inputs["text"] = f"{inputs['text']} ({i + 1})"
+    return out
 
 
 def _config_value(s: Settings, key: str) -> Any:

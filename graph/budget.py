@@ -17,9 +17,28 @@ from .planner import DEFAULT_RESERVE, Budget
 
 GiB = 2**30
 HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
-# With --vram, device memory this process uses outside torch's allocator besides the context measured at start
-# (seen on the H200 under the benchmark client: up to 0.8 GiB more, whole-device, than context + reserved)
-CARD_MARGIN = 1024 * 2**20
+# A card of `--vram` bytes is split as: CUDA context (measured when the budget is made: `torch.cuda.mem_get_info`
+# minus what torch's allocator holds) + CARD_MARGIN + DEFAULT_RESERVE + the plan's budget (weights + activations).
+#
+# CARD_MARGIN is device memory this process comes to use outside torch's allocator after the context was measured
+# (kernel images loaded on first use, library workspaces). Measured on the H200, 12 GiB card emulated, with the
+# budget of the time (margin 1 GiB): bench/results/peer_compare.json (code of 0e542bd) puts our whole-device NVML
+# peak at 11.59-11.86 GiB over five jobs (512² to 2048², cold and warm; `dev_used_max_during` in
+# peer_compare.log). NVML's v1 `used`, which the benchmark client reads, includes the memory the driver keeps for
+# itself: NVML's total is 140.40 GiB there (peer_compare.log: --reserve-vram 129.601 = NVML total - 12 + 1.2) and
+# CUDA's is 139.80 GiB (plan_matrix-rerun.json, uncapped: budget 138.868 + reserve 0.25 + context 0.682), so
+# 0.60 GiB of every NVML figure is not the process's. The process itself thus peaked at <= 11.26 GiB of the
+# 12 GiB card: 0.74 GiB of it stayed unused. CARD_MARGIN shrinks by 0.70 GiB to 0.30 GiB, so the budget grows by
+# 0.70 GiB, all of it weights and activations the planner counts: the same jobs would reach at most 11.96 GiB.
+# Under the cap, torch's own OOM is what the reserve and the estimates' 4 % margin guard against (plan_matrix:
+# estimates 1.026-1.067x the measured peaks, no OOM). Not measured yet: the process's own device peak apart from
+# the driver's share (bench/nvml_probe.py polls cudaMemGetInfo for that; no result of it is stored).
+CARD_MARGIN = 300 * 2**20
+# The CUDA context a plan off the GPU assumes (`vramgraph plan` on a laptop, `--device cpu` with --vram): the
+# largest measured on the H200 after a warm run, 0.682-0.784 GiB (plan_matrix-rerun.json: context_gib minus the
+# 1 GiB margin of that code), rounded up. Consumer cards measure less (their page tables are smaller), so a plan
+# made here is never larger than the card can hold; on the GPU the measured context is used instead.
+CONTEXT_ESTIMATE = 808 * 2**20
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
          "g": GiB, "gb": 10**9, "gib": GiB, "t": 2**40, "tb": 10**12, "tib": 2**40}
 
@@ -55,17 +74,30 @@ def host_available() -> int:
     return 16 * GiB
 
 
+def card_budget(card: int, context: int, reserve: int = DEFAULT_RESERVE) -> int:
+    """The bytes a plan may use on a card of `card` bytes whose CUDA context (and anything else outside torch's
+    allocator) takes `context`: the one formula of the GPU run (measured context) and of a plan made off the GPU
+    (CONTEXT_ESTIMATE)."""
+    return card - context - CARD_MARGIN - reserve
+
+
 def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | None = None,
                host: str | int | None = None, *, cap: bool = True) -> Budget:
-    """The budget on `device` (a torch.device or its name; None: no device, a plan for the card `vram` describes).
-    Only a CUDA device is measured, and only then is torch imported; elsewhere "the GPU" is host memory, or the
-    card `vram` describes. With `vram` (and `cap`) torch's allocator is capped to that card's size; `cap=False`
+    """The budget on `device` (a torch.device or its name; None: no device, a plan for the card `vram` describes,
+    with CONTEXT_ESTIMATE for its CUDA context: the budget the GPU run computes for that card). Only a CUDA device is
+    measured, and only then is torch imported; on the CPU "the GPU" is host memory, capped to `vram` if given.
+    With `vram` (and `cap`) torch's allocator is capped to that card's size; `cap=False`
     computes the same budget without touching the allocator (a plan for another card than the one running)."""
     res = DEFAULT_RESERVE if reserve is None else _size("--reserve", reserve)
     host_bytes = _size("--host", host) if host is not None else max(GiB, host_available() - HOST_MARGIN)
     card = _size("--vram", vram) if vram is not None else None
+    if device is None and card is not None:
+        # a plan for a card, made off the GPU: the budget the GPU run computes, with the context estimated (a card
+        # too small for even that gets a budget of 0, so the plan names the first node that does not fit)
+        return Budget(max(0, card_budget(card, CONTEXT_ESTIMATE, res)), host_bytes, card, res,
+                      CONTEXT_ESTIMATE + CARD_MARGIN)
     if str(device).split(":")[0] != "cuda":
-        # on the CPU "the GPU" is host memory: weights and activations share it
+        # on the CPU "the GPU" is host memory: weights and activations share it (`vram` caps it)
         return Budget((card if card is not None else host_bytes) - res, host_bytes, card, res)
     import torch
 
@@ -81,9 +113,10 @@ def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | 
         return Budget(free + ours - res, host_bytes, None, res, outside)
     if card > total:
         raise ValueError(f"--vram {vram} is more than the device has ({total / GiB:.1f} GiB)")
-    limit = card - outside - CARD_MARGIN
-    if limit <= res:
-        raise ValueError(f"--vram {vram} leaves nothing: the CUDA context alone takes {outside / GiB:.2f} GiB")
-    if cap:
-        torch.cuda.set_per_process_memory_fraction(limit / total, index)
-    return Budget(limit - res, host_bytes, card, res, outside + CARD_MARGIN)
+    gpu = card_budget(card, outside, res)
+    if gpu <= 0:
+        raise ValueError(f"--vram {vram} leaves nothing: the CUDA context alone takes {outside / GiB:.2f} GiB, and "
+                         f"{(CARD_MARGIN + res) / GiB:.2f} GiB are kept free")
+    if cap:  # torch may hold the plan's bytes and the reserve (allocator rounding, workspaces), no more
+        torch.cuda.set_per_process_memory_fraction((gpu + res) / total, index)
+    return Budget(gpu, host_bytes, card, res, outside + CARD_MARGIN)

@@ -40,6 +40,7 @@ from ..nodes.types import ModelInfo, Variant, is_link
 from ..nodes.values import ModelHandle
 from . import planner, queue
 from .budget import budget_for
+from .costs import cost_for
 from .errors import InterruptedRun, NodeExecutionError, _type_name
 from .ledger import Ledger
 from .planning import Prepared, prepare
@@ -235,7 +236,7 @@ class Engine:
         self.catalog = ModelCatalog(folders, self.dtype, allow_builtin)  # model infos and tokenizers
         self.ledger = Ledger(self.device)
         self.budget = budget or budget_for(self.device)
-        self.cost = cost or planner.CostModel()
+        self.cost = cost or cost_for(self.device)  # a CUDA device is probed; elsewhere the H200's, named as assumed
         self._cache: dict[str, tuple] = {}  # signature -> outputs of the last runs
         self._interrupt = threading.Event()
         self._lock = threading.Lock()

@@ -6,8 +6,10 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
 
 1. **Order** (`_order`). A topological order built one node at a time. Among the ready nodes, prefer one
    whose preferred variant's models are already resident (this groups work by model: a queue of N prompts
-   becomes encode all, sample all, decode all), then the lowest original position (insertion order of
-   `dag.nodes`). Host RAM held by node outputs (`NodeCost.host_bytes`, alive from the producer's run until
+   becomes encode all, sample all, decode all), then one that would not push out a resident model that a
+   later node still needs (a queued edit's decode that cannot sit beside the transformer waits until every
+   prompt has sampled), then the lowest original position (insertion order of `dag.nodes`). Host RAM held
+   by node outputs (`NodeCost.host_bytes`, alive from the producer's run until
    its last consumer has run) must stay within `budget.host` minus the pinned copies that already exist;
    a ready node that would exceed it is passed over, which falls back to finishing the earlier chains
    first. Residency in this pass is a rough sketch (least recently used models leave when the budget is
@@ -35,6 +37,7 @@ Nothing is ever unloaded unless a node forces it out, and nothing is loaded befo
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -80,13 +83,23 @@ class NodeCost:
 
 @dataclass(frozen=True)
 class CostModel:
+    """What moving and computing cost on one machine (graph/costs.py: named profiles and the start-up probe).
+    The defaults are the H200's measured constants; node estimates state their seconds on the H200 too."""
+
     h2d_pinned: float = 55.3e9  # bytes/s, host->GPU from pinned host memory (H200 measured)
     h2d_pageable: float = 8.06e9  # bytes/s from pageable memory
     disk: float = 2.0e9  # bytes/s reading a memory-mapped checkpoint from disk
+    compute: float = 1.0  # GPU seconds here per H200 second (8.0: a GPU with 1/8 of the H200's bf16 rate)
+    name: str = "h200"  # shown with the plan's totals, so a plan says whose seconds it predicts
 
     def load_seconds(self, nbytes: int, pinned: bool) -> float:
         """Pinned: one PCIe copy. From the file: the slower of the disk read and the pageable copy."""
         return nbytes / (self.h2d_pinned if pinned else min(self.disk, self.h2d_pageable))
+
+    def run_seconds(self, v: Variant) -> float:
+        """A variant's compute time here: GPU work (it uses a model on the GPU, resident or streamed) scales with
+        `compute`; CPU and host work is taken as estimated."""
+        return v.seconds * self.compute if v.models or v.streams else v.seconds
 
 
 @dataclass(frozen=True)
@@ -193,6 +206,7 @@ class Plan:
     end: Residency
     start: Residency = Residency()
     classes: Mapping[str, str] = field(default_factory=dict)  # node id -> class_type, for display
+    cost: CostModel = CostModel()  # the cost profile the seconds are predicted with
 
     @property
     def loads(self) -> int:
@@ -243,6 +257,7 @@ class Plan:
             "bytes_moved": self.bytes_moved,
             "seconds": self.seconds,
             "peak": self.peak,
+            "cost_profile": self.cost.name,
         }
 
     def describe(self, s: PlannedStep) -> tuple[str, str, str]:
@@ -266,7 +281,7 @@ class Plan:
                  for r in rows]
         lines.insert(1, "-" * len(lines[0]))
         lines.append(f"{self.loads} loads, {_gib(self.bytes_moved)} GiB moved, peak {_gib(self.peak)} of "
-                     f"{_gib(self.budget.gpu)} GiB, {self.seconds:.3f} s predicted")
+                     f"{_gib(self.budget.gpu)} GiB, {self.seconds:.3f} s predicted (costs: {self.cost.name})")
         return "\n".join(lines)
 
     def graph(self) -> nx.DiGraph:
@@ -370,40 +385,69 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
            prov: Mapping[str, Variant], start: Residency, host_limit: int) -> tuple[list[str], int]:
     """Pass 1: the run order (see the module docstring) and the peak of host bytes held by live outputs."""
     pos = {n: i for i, n in enumerate(nodes)}
-    indeg = {n: dag.in_degree(n) for n in nodes}
-    left = {n: dag.out_degree(n) for n in nodes}  # consumers not yet run
-    ready = [n for n in nodes if indeg[n] == 0]
+    preds = {n: tuple(dag.pred[n]) for n in nodes}
+    succs = {n: tuple(dag.succ[n]) for n in nodes}
+    indeg = {n: len(preds[n]) for n in nodes}
+    left = {n: len(succs[n]) for n in nodes}  # consumers not yet run
+    hb = {n: costs[n].host_bytes for n in nodes}
     resident: list[str] = sorted(start.gpu)  # least recently used first
+    uses = Counter(m for n in nodes for m in dict.fromkeys(prov[n].models))  # runs left that need each model
     live = peak = 0
     order: list[str] = []
 
-    def during(n: str) -> int:
-        return live + costs[n].host_bytes
-
     def freed(n: str) -> int:
-        out = sum(costs[p].host_bytes for p in dag.predecessors(n) if left[p] == 1)
-        return out + (costs[n].host_bytes if left[n] == 0 else 0)
+        return sum(hb[p] for p in preds[n] if left[p] == 1) + (hb[n] if left[n] == 0 else 0)
 
-    while ready:
+    def rank(k: tuple, res: set[str], held: int) -> tuple[bool, bool]:
+        """(its models are not all resident, running it now would push out a resident model that a later run
+        still needs: e.g. a decode that does not fit beside the transformer while other prompts still sample)."""
+        need, act = k[0], k[1]
+        missing = [m for m in dict.fromkeys(need) if m not in res]
+        over = held + sum(sizes.w(m) for m in missing) + act - gpu
+        if over <= 0:
+            return bool(missing), False
+        dead = sum(sizes.w(m) for m in res if m not in need and uses[m] == 0)
+        return bool(missing), over > dead
+
+    # ready nodes in groups of equal (models, activation, host bytes): they rank alike, earliest first in each
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+
+    def add(n: str) -> None:
+        heapq.heappush(groups.setdefault((prov[n].models, prov[n].activation, hb[n]), []), (pos[n], n))
+
+    for n in nodes:
+        if indeg[n] == 0:
+            add(n)
+    while groups:
         res = set(resident)
-        cands = sorted(ready, key=lambda n: (not set(prov[n].models) <= res, pos[n]))
-        pick = next((n for n in cands if during(n) <= host_limit), None)
-        if pick is None:  # nothing fits in host RAM: the node that leaves the least held, earliest first
-            pick = min(cands, key=lambda n: (during(n) - freed(n), pos[n]))
+        held = sum(sizes.w(m) for m in resident)
+        ranked = sorted((*rank(k, res, held), h[0][0], k) for k, h in groups.items())
+        key = next((k for *_, k in ranked if live + k[2] <= host_limit), None)
+        if key is not None:
+            pick = heapq.heappop(groups[key])[1]
+        else:  # nothing fits in host RAM: the node that leaves the least held, earliest first
+            pick = min((n for h in groups.values() for _, n in h), key=lambda n: (live + hb[n] - freed(n), pos[n]))
+            key = (prov[pick].models, prov[pick].activation, hb[pick])
+            groups[key].remove((pos[pick], pick))
+            heapq.heapify(groups[key])
             log.warning("node outputs need %s GiB of host RAM at %r, above the %s GiB available",
-                        _gib(during(pick)), pick, _gib(host_limit))
-        peak = max(peak, during(pick))
-        live = during(pick) - freed(pick)
-        for p in dag.predecessors(pick):
+                        _gib(live + hb[pick]), pick, _gib(host_limit))
+        if not groups[key]:
+            del groups[key]
+        peak = max(peak, live + hb[pick])
+        live = live + hb[pick] - freed(pick)
+        for p in preds[pick]:
             left[p] -= 1
         order.append(pick)
-        ready.remove(pick)
-        for s in dag.successors(pick):
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                ready.append(s)
+        for n in succs[pick]:
+            indeg[n] -= 1
+            if indeg[n] == 0:
+                add(n)
         v = prov[pick]
+        if not v.models and not v.activation:
+            continue
         for m in dict.fromkeys(v.models):
+            uses[m] -= 1
             if m in resident:
                 resident.remove(m)
             resident.append(m)
@@ -454,8 +498,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         return 0.0, _INF  # never used again
 
     def evictions(i: int, v: Variant) -> tuple[list[str], float]:
-        total = sum(sizes.w(m) for m in resident) + sum(sizes.w(m) for m in dict.fromkeys(v.models)
-                                                         if m not in resident) + v.activation
+        total = held + sum(sizes.w(m) for m in dict.fromkeys(v.models) if m not in resident) + v.activation
         if total <= gpu:
             return [], 0.0
         keyed = sorted(((*evict_cost(m, i, v), m) for m in resident if m not in v.models),
@@ -472,8 +515,15 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 total += sizes.w(t[2])
         return [m for _, _, m in out], sum(c for c, _, _ in out)
 
+    held = sum(sizes.w(m) for m in resident)  # bytes of the resident weights
     for i, node in enumerate(order):
         nc = costs[node]
+        if len(nc.variants) == 1 and not nc.variants[0].models and not nc.variants[0].streams \
+                and held + nc.variants[0].activation <= gpu:  # a host node, or one without weights: nothing moves
+            v = chosen[node] = nc.variants[0]
+            steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), cm.run_seconds(v),
+                                     v.note))
+            continue
         best: tuple[float, Variant, list[str]] | None = None
         options: list[tuple[Variant, float | None]] = []
         for v in nc.variants:
@@ -482,7 +532,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 continue
             out, reload_s = evictions(i, v)
             missing = [m for m in dict.fromkeys(v.models) if m not in resident]
-            t = v.seconds + reload_s + sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
+            t = cm.run_seconds(v) + reload_s + sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
             t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams if m not in resident)
             if any(m in resident for m in v.streams):  # streaming a resident model would hold it twice
                 options.append((v, None))
@@ -495,8 +545,9 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         chosen[node] = v
         for m in out:
             resident.remove(m)
+            held -= sizes.w(m)
             to = "pinned" if m in pinned else "drop"
-            steps.append(PlannedStep(Unload(m, to), sum(sizes.w(r) for r in resident), tuple(resident), 0.0,
+            steps.append(PlannedStep(Unload(m, to), held, tuple(resident), 0.0,
                                      f"makes room for {node} ({nc.class_type})"))
         for m in dict.fromkeys(v.models):
             if m in resident:
@@ -507,8 +558,9 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             if pin:
                 pinned.add(m)
             resident.append(m)
+            held += sizes.w(m)
             loads[m] += 1
-            steps.append(PlannedStep(Load(m, src, pin), sum(sizes.w(r) for r in resident), tuple(resident), secs,
+            steps.append(PlannedStep(Load(m, src, pin), held, tuple(resident), secs,
                                      f"for {node}" + (", pinned while loading" if pin else "")))
         for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
             if m in pins:
@@ -518,8 +570,8 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
                              for a, ta in options if a is not v)
             note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
-        steps.append(PlannedStep(Run(node, v.name), sum(sizes.w(r) for r in resident) + v.activation,
-                                 tuple(resident), v.seconds, note, tuple(v.streams)))
+        steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), cm.run_seconds(v), note,
+                                 tuple(v.streams)))
     return _Assigned(steps, chosen, Residency(frozenset(resident), frozenset(pinned)), loads)
 
 
@@ -567,11 +619,12 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen.values()), default=0) \
             > budget.gpu:
         evicted |= used_models  # the models cannot all stay: any of them may have to leave for a later prompt
-    if repeat:
+    used = {m for n in order for v in costs[n].variants for m in v.models}
+    if repeat and not used <= evicted:  # (the next run can only add candidates that are not in yet)
         nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat)
         evicted |= {s.step.model for s in nxt.steps if isinstance(s.step, Unload)}
         evicted |= {m for v in nxt.chosen.values() for m in v.streams}
     pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
-    used = {m for n in order for v in costs[n].variants for m in v.models}
     done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)
-    return Plan(tuple(done.steps), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes})
+    return Plan(tuple(done.steps), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes},
+                cost)

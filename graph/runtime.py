@@ -43,6 +43,7 @@ class Settings:
     devices: str | None = None  # several: "cuda:0,cuda:1" or "all" (graph/devices.py); --vram then per device
     dtype: str | None = None  # "bf16" or "fp32"
     host: str | int | None = None  # host RAM budget
+    profile: str | None = None  # cost profile name (graph/costs.py); None: probe the GPU
     checkpoints: Sequence[str | Path] = ()  # extra roots whose subfolders are checkpoints
 
     def replace(self, **changes: Any) -> Settings:
@@ -137,11 +138,16 @@ def engine_from(settings: Any, allow_builtin: bool = False, host: str | None = N
     cfg = read_config(s)
     if s.dtype not in (None, "bf16", "fp32"):
         raise ValueError(f"--dtype {s.dtype}: write bf16 or fp32")
+    from .costs import cost_for, profile
+
+    if s.profile:
+        profile(s.profile)  # a wrong name is refused before anything is measured
     if s.devices:
         return _devices_from(s, cfg, allow_builtin, host)
     device = parse_device(s.device)
     budget = budget_for(device, s.vram or cfg.get("vram"), s.reserve or cfg.get("reserve"), host or s.host)
-    return Engine(folders_from(s), device=str(device), dtype=s.dtype, budget=budget, allow_builtin=allow_builtin)
+    return Engine(folders_from(s), device=str(device), dtype=s.dtype, budget=budget, allow_builtin=allow_builtin,
+                  cost=cost_for(device, s.profile))
 
 
 def _devices_from(s: Settings, cfg: dict, allow_builtin: bool, host: str | None) -> Any:
@@ -150,6 +156,7 @@ def _devices_from(s: Settings, cfg: dict, allow_builtin: bool, host: str | None)
     import torch
 
     from .budget import budget_for, host_available, parse_size
+    from .costs import cost_for
     from .devices import devices_from
     from .executor import Engine
     from .placement import parse_devices, split_sizes
@@ -165,7 +172,8 @@ def _devices_from(s: Settings, cfg: dict, allow_builtin: bool, host: str | None)
 
     def make(name: str, vram: str | None) -> Engine:
         budget = budget_for(parse_device(name), vram, s.reserve or cfg.get("reserve"), share)
-        return Engine(folders, device=name, dtype=s.dtype, budget=budget, allow_builtin=allow_builtin)
+        return Engine(folders, device=name, dtype=s.dtype, budget=budget, allow_builtin=allow_builtin,
+                      cost=cost_for(parse_device(name), s.profile))
 
     return devices_from(names, make, sizes)
 

@@ -203,7 +203,12 @@ class Frontend:
                 continue
             delay = BACKOFF[0]
             closed = asyncio.Event()
-            conn.close_callbacks.add(lambda *_, done=closed: done.set())
+
+            def lost(*_: Any, done: asyncio.Event = closed) -> None:
+                self.channel = None  # at once: POST /prompt answers 503 from now on
+                done.set()
+
+            conn.close_callbacks.add(lost)
             try:
                 channel = await conn.channel(publisher_confirms=True)
                 replies = await channel.declare_queue(self.reply_to, durable=True)
@@ -218,7 +223,7 @@ class Frontend:
                 self.channel = channel
                 log.info("frontend %s connected to the broker %s", self.ident, _safe(self.url))
                 while not closed.is_set():
-                    await self._announce()
+                    await asyncio.wait_for(self._announce(), PUBLISH_TIMEOUT)
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(closed.wait(), ANNOUNCE_EVERY)
                 log.warning("lost the broker %s; reconnecting", _safe(self.url))

@@ -10,7 +10,8 @@ and takes, in this order,
 1. the sets it holds (every model of the set resident on its GPU), the one it used last first;
 2. a set no live worker holds: at once if it holds nothing itself, else once that queue has waited `grace`
    seconds (a cold worker gets the chance first);
-3. a set other workers hold, only once that queue has waited `steal_after` seconds (their backlog).
+3. a set other workers hold, only when its backlog is over two full batches per holder, or once that queue has
+   waited `steal_after` seconds (their backlog would take longer than one load of the set here).
 It takes up to `max_batch` prompts of the chosen set at once, and the Worker plans them as one run (one load of
 each model for all of them). Every worker tells the others what it holds in a heartbeat on the fleet exchange.
 A prompt "ran resident" when its set was held by its worker when it took it; results say so, and the frontend's
@@ -48,6 +49,7 @@ HEARTBEAT = 0.5  # seconds between a worker's heartbeats; a worker silent for 4 
 POLL = 0.1  # seconds between looks at the queues while idle
 GRACE = 1.0  # see the module doc
 STEAL_AFTER = 30.0
+STEAL_BATCHES = 2  # another worker's set is also taken when over this many full batches per holder wait
 CATALOG_EVERY = 5.0  # seconds between re-reading the catalog of sets
 
 
@@ -74,23 +76,23 @@ def keyed_outputs(prompt: dict, pid: str, nodes: dict) -> dict:
     return prompt
 
 
-def choose(counts: dict[str, int], holds: list[str], others: set[str], waiting: dict[str, float], now: float,
-           grace: float = GRACE, steal_after: float = STEAL_AFTER) -> str | None:
+def choose(counts: dict[str, int], holds: list[str], others: dict[str, int], waiting: dict[str, float], now: float,
+           grace: float = GRACE, steal_after: float = STEAL_AFTER, batch: int = MAX_BATCH) -> str | None:
     """The set whose prompts to take next (see the module doc), or None to wait. `counts`: prompts waiting per set;
-    `holds`: the sets this worker holds, last used first; `others`: sets live peers hold; `waiting`: since when each
-    set's queue has not been empty."""
+    `holds`: the sets this worker holds, last used first; `others`: how many live peers hold each set; `waiting`:
+    since when each set's queue has not been empty."""
     for key in holds:
         if counts.get(key):
             return key
-    unheld = [k for k, n in counts.items() if n and k not in others and k not in holds]
+    unheld = [k for k, n in counts.items() if n and not others.get(k) and k not in holds]
     if unheld:
         key = max(unheld, key=lambda k: (counts[k], -waiting.get(k, now)))
         if not holds or now - waiting.get(key, now) >= grace:
             return key
-    foreign = [k for k, n in counts.items() if n and k in others and k not in holds]
-    if foreign:
-        key = min(foreign, key=lambda k: waiting.get(k, now))
-        if now - waiting.get(key, now) >= steal_after:
+    foreign = [k for k, n in counts.items() if n and others.get(k) and k not in holds]
+    if foreign:  # the longest backlog per holder; taken when it is over STEAL_BATCHES batches each, or old
+        key = max(foreign, key=lambda k: (counts[k] / others[k], -waiting.get(k, now)))
+        if counts[key] > STEAL_BATCHES * batch * others[key] or now - waiting.get(key, now) >= steal_after:
             return key
     return None
 
@@ -339,9 +341,12 @@ class FleetWorker:
                     else:
                         self.waiting.pop(key, None)
                 alive = now - 4 * HEARTBEAT
-                others = set().union(*(h for h, t in self.peers.values() if t > alive)) if self.peers else set()
+                others: dict[str, int] = {}
+                for h, t in self.peers.values():
+                    for k in h if t > alive else ():
+                        others[k] = others.get(k, 0) + 1
                 held = self.holds()
-                key = choose(counts, held, others, self.waiting, now, self.grace, self.steal_after)
+                key = choose(counts, held, others, self.waiting, now, self.grace, self.steal_after, self.max_batch)
                 if key is None:
                     await asyncio.sleep(POLL)
                     continue

@@ -34,23 +34,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # run with vramgraph importable (as the other bench/ scripts)
 RESULTS = ROOT / "bench" / "results"
+# one klein-4B transformer step at 1024² on the H200, bf16: the project's reference measurements
+# (shared/reference/anchors-h200.json, transformer_step_1024.median_s; that file is not in this repository)
+TRANSFORMER_STEP_1024_S = 0.0833
 
 
 def costs() -> dict:
     probe = json.loads((RESULTS / "load_probe.json").read_text())["engine"]
-    anchors = json.loads(Path("/work/shared/reference/anchors-h200.json").read_text())["values"] \
-        if Path("/work/shared/reference/anchors-h200.json").is_file() else {"transformer_step_1024": {"median_s": 0.0833}}
     warm, cold = probe["warm"]["seconds"], probe["cold"]["seconds"]
     gib_4b = 5.80 + 7.22 + 0.16
     per_gib = (cold - warm) / gib_4b
-    step = anchors["transformer_step_1024"]["median_s"]
+    step = TRANSFORMER_STEP_1024_S
     gib_9b = 16.9 + 11.8 + 0.16
     return {"prompt_4b_s": warm, "load_s_per_gib": round(per_gib, 4), "set_4b_gib": gib_4b, "set_9b_gib": gib_9b,
             "prompt_9b_s": round(warm + 4 * step * 1.3, 4), "h200_weights_capacity_gib": 139.8 - 24.0,
             "sources": {"prompt_4b_s": "bench/results/load_probe.json engine.warm",
                         "load_s_per_gib": "bench/results/load_probe.json engine.cold - engine.warm, over 13.18 GiB",
-                        "prompt_9b_s": "estimated: + 1.3 x the sampler's 4 steps (anchors-h200.json "
-                                       "transformer_step_1024) for 2.3x the parameters",
+                        "prompt_9b_s": "estimated: + 1.3 x the sampler's 4 steps (reference/anchors-h200.json "
+                                       "transformer_step_1024 = 0.0833 s) for 2.3x the parameters",
                         "set_9b_gib": "estimated from parameter counts",
                         "h200_weights_capacity_gib": "139.8 GiB less 24 GiB, the 1024² peak in speed.json"}}
 

@@ -23,7 +23,11 @@ import pytest
 import requests
 from serving import free_port, serve_process
 
-pytest.importorskip("aio_pika", reason="the fleet needs the AMQP client aio-pika (pip install -e '.[broker]')")
+try:
+    import aio_pika  # noqa: F401
+    NO_CLIENT = None
+except ImportError:
+    NO_CLIENT = "the fleet needs the AMQP client aio-pika (pip install -e '.[broker]')"
 
 ROOT = Path(__file__).resolve().parents[1]
 SETS = {"A": "flux-2-klein-4b.safetensors", "B": "flux-2-klein-4b-alt.safetensors"}  # two model sets, by transformer
@@ -179,7 +183,10 @@ class Clients:
 
 
 def submit(url: str, which: str, seed: int, client: str) -> str:
-    r = requests.post(url + "/prompt", json={"prompt": prompt(which, seed), "client_id": client}, timeout=60)
+    """POST /prompt; client c2 asks for step previews (ComfyUI's extra_data.preview_method), c1 for none."""
+    extra = {"preview_method": "auto" if client == "c2" else "none"}
+    r = requests.post(url + "/prompt", json={"prompt": prompt(which, seed), "client_id": client, "extra_data": extra},
+                      timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["prompt_id"]
 
@@ -229,6 +236,66 @@ def images_of(folder: Path, pid: str) -> list[Path]:
     return sorted((folder / "output" / pid).rglob("*.png"))
 
 
+# ------------------------------------------------------------------------------------------ pure parts
+
+
+def test_choose_prefers_held_sets_then_unheld_then_backlogs():
+    from vramgraph.server.fleet_worker import choose
+
+    now = 100.0
+    # its own sets first, the one used last first, even when others wait longer
+    assert choose({"a": 1, "b": 9, "c": 5}, ["c", "a"], {"b": 1}, {"a": 0, "b": 0, "c": 99}, now) == "c"
+    # holding nothing: a set nobody holds at once (the longest queue), never one a peer holds
+    assert choose({"b": 9, "d": 2, "e": 3}, [], {"b": 1}, {"b": 0, "d": 99, "e": 99}, now) == "e"
+    # holding something: an unheld set only after the grace
+    assert choose({"d": 2}, ["a"], {}, {"d": 99.5}, now, grace=1.0) is None
+    assert choose({"d": 2}, ["a"], {}, {"d": 98.0}, now, grace=1.0) == "d"
+    # a peer's set: only when its backlog is over two batches per holder, or it has waited steal_after
+    assert choose({"b": 32}, ["a"], {"b": 1}, {"b": 99}, now, batch=16) is None
+    assert choose({"b": 33}, ["a"], {"b": 1}, {"b": 99}, now, batch=16) == "b"
+    assert choose({"b": 33}, ["a"], {"b": 2}, {"b": 99}, now, batch=16) is None
+    assert choose({"b": 1}, ["a"], {"b": 1}, {"b": 60}, now, steal_after=30) == "b"
+    assert choose({}, ["a"], {}, {}, now) is None
+
+
+def test_output_files_are_keyed_on_the_prompt_id():
+    from vramgraph.nodes import ENGINE_NODES
+    from vramgraph.server.fleet_worker import keyed_outputs
+
+    p = prompt("A", 1)
+    keyed = keyed_outputs(p, "pid-1", ENGINE_NODES)
+    assert keyed["8"]["inputs"]["filename_prefix"] == "pid-1/" + p["8"]["inputs"]["filename_prefix"]
+    assert {k: v for k, v in keyed.items() if k != "8"} == {k: v for k, v in p.items() if k != "8"}
+    assert p["8"]["inputs"]["filename_prefix"] == "vramgraph/text_to_image", "the prompt given is left alone"
+
+
+def test_model_sets_are_named_by_kind_and_file():
+    from vramgraph.server.broker import portable, set_key
+
+    assert portable("transformer:/a/b/flux-2-klein-4b.safetensors:bf16") == "transformer:flux-2-klein-4b.safetensors"
+    assert set_key(["vae:x", "transformer:y"]) == set_key(["transformer:y", "vae:x"]) != set_key(["transformer:y"])
+
+
+def test_fleet_simulation_model_aware_loads_less():
+    """bench/fleet_sim.py on a small fleet: the same prompts, fewer model loads and no longer total time."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import fleet_sim
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    c = fleet_sim.costs()
+    sets = fleet_sim.model_sets(c)
+    arrivals = fleet_sim.workload(sets, 400, None, seed=3)
+    runs = {p: fleet_sim.simulate(p, sets, arrivals, 8, c["set_9b_gib"], c) for p in ("first_come", "model_aware")}
+    assert runs["model_aware"]["model_loads"] < runs["first_come"]["model_loads"] / 3
+    assert runs["model_aware"]["total_s"] < runs["first_come"]["total_s"]
+    assert runs["model_aware"]["resident_share"] > runs["first_come"]["resident_share"]
+
+
+# ------------------------------------------------------------------------------------------ a real fleet
+
+
+@pytest.mark.skipif(NO_CLIENT is not None, reason=str(NO_CLIENT))
 def test_fleet_model_aware_nothing_lost_and_broker_down(rabbit, fleet_folder):
     folder = fleet_folder
     workers = {w: start_worker(folder, rabbit.url, w) for w in ("w1", "w2")}
@@ -276,6 +343,7 @@ def _fleet(url: str, folder: Path, rabbit: Rabbit, workers: dict, clients: Clien
         other = "c2" if client == "c1" else "c1"
         assert not any(m["data"].get("prompt_id") == p for m in clients.messages[other] if isinstance(m["data"], dict))
         assert len(images_of(folder, p)) == 1
+    assert clients.frames["c2"] >= 20 and clients.frames["c1"] == 0, clients.frames  # previews to who asked
     image = history[pids[0]]["outputs"]["8"]["images"][0]
     view = requests.get(url + "/view", params=image, timeout=30)
     assert view.status_code == 200 and view.content[:8] == b"\x89PNG\r\n\x1a\n"

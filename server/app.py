@@ -216,16 +216,18 @@ def serve(args: argparse.Namespace) -> int:
     until Ctrl-C. It says where it listens only once the socket is bound; a busy port is a ValueError."""
     from ..graph.runtime import engine_from
 
-    engine = engine_from(args)
-    for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
-        folder.mkdir(parents=True, exist_ok=True)
-    engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
     url = getattr(args, "broker", None)
-    if url:
+    if url:  # a frontend: the AMQP client and a usable URL, checked before anything is loaded
         from .broker import amqp, check_url, frontend_id
 
         amqp()
         check_url(url)
+    elif getattr(args, "work", False):
+        raise ValueError("--work runs a fleet worker beside the frontend: give --broker amqp://... too")
+    engine = engine_from(args)
+    for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
+        folder.mkdir(parents=True, exist_ok=True)
+    engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
     app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()),
                    cors=getattr(args, "enable_cors_header", None),
                    user_dir=Path(args.user_dir).expanduser() if getattr(args, "user_dir", None) else None,

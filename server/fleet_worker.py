@@ -405,6 +405,7 @@ def work(args: argparse.Namespace) -> int:
     from ..graph.runtime import engine_from
 
     broker.amqp()
+    broker.check_url(args.broker)
     if args.max_batch < 1 or not args.steal_after >= 0 or not args.grace >= 0:
         raise ValueError(f"--max-batch {args.max_batch} --steal-after {args.steal_after} --grace {args.grace}: give a "
                          "batch of at least 1 prompt and waits of 0 seconds or more")

@@ -292,6 +292,22 @@ def test_fleet_simulation_model_aware_loads_less():
     assert runs["model_aware"]["resident_share"] > runs["first_come"]["resident_share"]
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["worker", "--broker", "http://127.0.0.1:1/"], "give an AMQP URL"),
+    (["worker", "--broker", "amqp://127.0.0.1:1/", "--max-batch", "0"], "--max-batch 0"),
+    (["worker", "--broker", "amqp://127.0.0.1:1/", "--grace", "-1"], "waits of 0 seconds or more"),
+    (["serve", "--broker", "localhost:5672"], "give an AMQP URL"),
+    (["serve", "--work"], "give --broker"),
+])
+@pytest.mark.skipif(NO_CLIENT is not None, reason=str(NO_CLIENT))
+def test_bad_fleet_options_are_refused_before_anything_loads(argv, says, capsys):
+    from vramgraph.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+
+
 # ------------------------------------------------------------------------------------------ a real fleet
 
 

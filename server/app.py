@@ -18,7 +18,9 @@ Our additions: the `vramgraph.plan` event (the running prompt's plan and its tim
 
 One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
 reach each websocket through that client's own outgoing queue on the event loop, so they keep their order.
-Files are served and written only inside the input, output and temp folders.
+Files are served and written only inside the input, output and temp folders. With `--broker amqp://...` the
+app is a frontend of a fleet instead: no engine thread; prompts are planned here and published, workers on other
+machines run them and their events and results come back through the broker (broker.py, fleet_worker.py).
 
 Beside a browser (security.py): requests from pages of other sites, foreign Host headers (DNS rebinding) and
 cross-site websockets are refused unless `cors` (`--enable-cors-header [ORIGIN]`) opts out as in ComfyUI;

@@ -75,6 +75,8 @@ def amqp() -> Any:
     except ImportError:
         raise ValueError("--broker needs the AMQP client aio-pika: pip install 'vramgraph[broker]' "
                          "(or pip install aio-pika)") from None
+    # each failed attempt to reach the broker is logged here once, with the wait before the next one
+    logging.getLogger("aiormq.connection").setLevel(logging.CRITICAL)
     return aio_pika
 
 

@@ -231,7 +231,7 @@ class FleetWorker:
             if ack is not None:
                 await ack.ack()
 
-    def _news(self, message: Any) -> None:
+    async def _news(self, message: Any) -> None:
         try:
             d = broker.json_body(message)
         except ValueError:
@@ -308,7 +308,7 @@ class FleetWorker:
         fleet = await broker.fleet_exchange(channel)
         news = await channel.declare_queue("", exclusive=True, auto_delete=True)
         await news.bind(fleet)
-        await news.consume(lambda m: self._news(m), no_ack=True)
+        await news.consume(self._news, no_ack=True)
         self.generation += 1
         generation = self.generation
         self._outbox, self._replies = asyncio.Queue(), set()

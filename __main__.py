@@ -15,10 +15,16 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from .server.fleet_worker import work
+
+    return work(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .cli.main import main as cli_main
 
-    return cli_main(argv, {"serve": _serve})
+    return cli_main(argv, {"serve": _serve, "worker": _worker})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
     vramgraph plan WORKFLOW.json [WORKFLOW2.json ...] [--prompts N] [--vram 12GiB] [--size 1536x1536] [--json]
     vramgraph generate -p PROMPT [-W 1024 -H 1024 -S SEED --steps N --guidance G -i REF ...] [-o FILE]
     vramgraph inspect MODEL...      vramgraph demo      vramgraph session
-    vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB]
+    vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB] [--broker amqp://...]
+    vramgraph worker --broker amqp://... --models DIR [--vram 80GiB]
 
 Every command is a thin layer over the Python API (graph/api.py). Models resolve under a ComfyUI-style
 models folder (diffusion_models/ or unet/, text_encoders/ or clip/, vae/, checkpoints/) given by --models,
@@ -55,6 +56,14 @@ def _engine_args(p: argparse.ArgumentParser, outputs: bool = True, json_flag: bo
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on CPU")
     if json_flag:
         p.add_argument("--json", action="store_true", help="errors as ComfyUI's full error JSON on stderr")
+
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch", type=int, default=16, help="prompts of one model set planned as one run, at most")
+    p.add_argument("--steal-after", type=float, default=30.0, metavar="SECONDS",
+                   help="take prompts of a model set other workers hold once its queue has waited this long")
+    p.add_argument("--grace", type=float, default=1.0, metavar="SECONDS",
+                   help="a worker that holds models takes a set nobody holds only after its queue waited this long")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,7 +128,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-cors-header", nargs="?", const="*", default=None, metavar="ORIGIN",
                    help="allow requests from other sites (ORIGIN, default *), as ComfyUI's flag; by default pages of "
                         "other sites, foreign Host headers and cross-site websockets are refused")
+    s.add_argument("--broker", default=None, metavar="AMQP_URL",
+                   help="be a frontend of a fleet: validate and plan prompts for this card (--vram), publish them to "
+                        "this RabbitMQ (amqp://user:pass@host:5672/); `vramgraph worker` runs them")
+    s.add_argument("--frontend-id", default=None, help="this frontend's name on the broker (default: host-port)")
+    s.add_argument("--work", action="store_true", help="with --broker: also run a worker in this process")
+    _fleet_args(s)
     _engine_args(s)
+    w = sub.add_parser("worker", help="run prompts that `serve --broker` frontends published (model-aware)")
+    w.add_argument("--broker", required=True, metavar="AMQP_URL", help="the RabbitMQ the frontends publish to")
+    w.add_argument("--id", default=None, help="this worker's name in the fleet (default: host-random)")
+    _fleet_args(w)
+    _engine_args(w)
     ss = sub.add_parser("session", help="interactive: prompt lines in, images out, models kept (also: no command)")
     ss.add_argument("--checkpoint", default=None)
     ss.add_argument("-o", "--out-dir", default="output", help="where images are saved (!save DIR changes it)")

@@ -18,7 +18,9 @@ Our additions: the `vramgraph.plan` event (the running prompt's plan and its tim
 
 One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
 reach each websocket through that client's own outgoing queue on the event loop, so they keep their order.
-Files are served and written only inside the input, output and temp folders.
+Files are served and written only inside the input, output and temp folders. With `--broker amqp://...` the
+app is a frontend of a fleet instead: no engine thread; prompts are planned here and published, workers on other
+machines run them and their events and results come back through the broker (broker.py, fleet_worker.py).
 
 Beside a browser (security.py): requests from pages of other sites, foreign Host headers (DNS rebinding) and
 cross-site websockets are refused unless `cors` (`--enable-cors-header [ORIGIN]`) opts out as in ComfyUI;
@@ -93,7 +95,7 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
              batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None,
-             cors: str | None = None) -> web.Application:
+             cors: str | None = None, broker: str | None = None, frontend_id: str | None = None) -> web.Application:
     """The aiohttp application over `engine` (a graph.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -104,7 +106,8 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     `plugins` are Python files or module names whose `setup(app, engine)` adds routes (bench/ has one).
     `user_dir` is where ComfyUI's front end finds settings and user files, read-only (see server/compat.py).
     `cors` is ComfyUI's --enable-cors-header: an origin (or "*") every answer allows, in place of the default
-    origin checks (security.py).
+    origin checks (security.py). `broker` (an AMQP URL) makes the app a frontend (broker.py): prompts are planned
+    here for the engine's budget (the reference card) and published; workers run them.
     """
     from ..graph.executor import Engine
 
@@ -112,8 +115,14 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     planner = planner or Engine(engine.folders, device=str(engine.device), dtype=engine.dtype, budget=engine.budget,
                                 nodes=engine.nodes, cost=engine.cost, allow_builtin=True)
     queue, hub = PromptQueue(), Hub()
-    worker = Worker(engine, queue, hub, previews, batch=batch)
-    routes = Routes(engine, queue, hub, worker, planner)
+    if broker:
+        from .broker import Frontend, FrontendRoutes
+
+        worker: Any = Frontend(broker, queue, hub, frontend_id)
+        routes: Routes = FrontendRoutes(engine, queue, hub, worker, planner)
+    else:
+        worker = Worker(engine, queue, hub, previews, batch=batch)
+        routes = Routes(engine, queue, hub, worker, planner)
     app = web.Application(client_max_size=MAX_UPLOAD_SIZE, middlewares=[*middlewares(cors), refusals])
     app[ROUTES] = routes
     for method, path, handler in [*routes.table(), *Compat(routes, user_dir).table()]:
@@ -126,11 +135,16 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
 
     async def started(app: web.Application) -> None:
         hub.start()
-        if start_worker:
+        if broker:
+            await worker.start()
+        elif start_worker:
             worker.start()
 
     async def stopping(app: web.Application) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        if broker:
+            await worker.stop()
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
         await hub.stop()
 
     app.on_startup.append(started)
@@ -204,13 +218,28 @@ def serve(args: argparse.Namespace) -> int:
     until Ctrl-C. It says where it listens only once the socket is bound; a busy port is a ValueError."""
     from ..graph.runtime import engine_from
 
+    url = getattr(args, "broker", None)
+    if url:  # a frontend: the AMQP client and a usable URL, checked before anything is loaded
+        from .broker import amqp, check_url, frontend_id
+
+        amqp()
+        check_url(url)
+    elif getattr(args, "work", False):
+        raise ValueError("--work runs a fleet worker beside the frontend: give --broker amqp://... too")
     engine = engine_from(args)
     for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
         folder.mkdir(parents=True, exist_ok=True)
     engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
     app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()),
                    cors=getattr(args, "enable_cors_header", None),
-                   user_dir=Path(args.user_dir).expanduser() if getattr(args, "user_dir", None) else None)
+                   user_dir=Path(args.user_dir).expanduser() if getattr(args, "user_dir", None) else None,
+                   broker=url,
+                   frontend_id=(getattr(args, "frontend_id", None) or frontend_id(args.port)) if url else None)
+    if url and getattr(args, "work", False):  # one process, both: a fleet worker on the same engine
+        from .fleet_worker import FleetWorker, run_in_thread
+
+        run_in_thread(FleetWorker(engine, url, max_batch=getattr(args, "max_batch", 16),
+                                  steal_after=getattr(args, "steal_after", 30.0), grace=getattr(args, "grace", 1.0)))
 
     async def main() -> None:
         runner = web.AppRunner(app, handle_signals=True)

@@ -4,7 +4,9 @@
 # Run on the device from the repo root with the carry built by ../shared/tools/comfyui-peer/prepare.sh:
 #   run(command='bash bench/peer_compare.sh "cap12 uncapped"',
 #       carry=[".whl/peer", ".whl/ckpt_script", ".whl/wheels", ".whl/comfy.tar.xz", ".whl/tok"])
-# Writes $OUT/peer_compare.json (bench/peer_compare.py) with the PNGs and logs.
+# Writes $OUT/peer_compare.json (bench/peer_compare.py; $NAME.json with NAME=...) with the PNGs and logs.
+# FP8=1: the transformer file is quantized to fp8 as ComfyUI stores it (../shared/tools/comfyui-peer/quantize_fp8.py)
+# before either server starts, under the same name, so both run the same fp8 file. Settings: cap12, cap8, uncapped.
 set -u
 SETTINGS=${1:-"cap12 uncapped"}
 JOBS=${JOBS:-1024_s42,1024_s43,1024_s44,512_s42,2048_s42}
@@ -25,6 +27,11 @@ export PYTHONPATH=/tmp/site
 echo "== t=$(el) making checkpoints"
 python3 .whl/ckpt_script/make_checkpoints.py /tmp/ck --full --device cuda --dtype bf16 --comfy-only > $L/make_checkpoints.log 2>&1 \
   || { tail -20 $L/make_checkpoints.log; exit 1; }
+if [ "${FP8:-}" = 1 ]; then  # the transformer as ComfyUI stores fp8 files (block linears e4m3fn, weight_scale), same name
+  t=/tmp/ck/comfyui/models/diffusion_models/flux-2-klein-4b.safetensors
+  python3 .whl/peer/quantize_fp8.py $t /tmp/fp8.safetensors > $L/quantize_fp8.log 2>&1 || { cat $L/quantize_fp8.log; exit 1; }
+  mv /tmp/fp8.safetensors $t; cat $L/quantize_fp8.log
+fi
 ls -la /tmp/ck/comfyui/models/*/
 ln -sfn /tmp/ck/comfyui/models /tmp/cbase/models
 cp .whl/peer/peer_probe.py /tmp/cbase/custom_nodes/
@@ -77,13 +84,15 @@ ours() {  # $1 label, rest: vramgraph serve arguments
 for s in $SETTINGS; do
   case $s in
     cap12)    PEER_CAP_GIB=12 comfy comfy_cap12 --reserve-vram $RES_B; ours ours_cap12 --vram 12GiB ;;
+    cap8)     PEER_CAP_GIB=8 comfy comfy_cap8 --reserve-vram $(python3 -c "print(round($NVML_GIB - 8 + 1.2, 3))")
+              ours ours_cap8 --vram 8GiB ;;
     uncapped) ln -sfn "$R" /tmp/cbase/custom_nodes/vramgraph
               PACK_CHECK=comfy_uncapped comfy comfy_uncapped; rm -rf /tmp/cbase/custom_nodes/vramgraph
               ours ours_uncapped ;;
   esac
 done
 echo "== t=$(el) comparing"
-PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/peer_compare.json
+PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/${NAME:-peer_compare}.json
 cp $L/page_cache.log $OUT/ 2>/dev/null
 (cd /tmp && tar -czf $OUT/peer_logs.tgz --exclude='*.png' peerlogs)  # few files come back from the device: the logs in one (PNGs are too big)
 echo "== t=$(el) end"

@@ -93,6 +93,7 @@ class ComponentSpec:
     quant_blocks: tuple[tuple[str, int, int], ...] = ()
     dtype_mix: tuple[tuple[str, int], ...] = ()  # (stored dtype, bytes) of the tensors that get loaded
     quant_layers: int = 0  # how many layers are quantised (fp8)
+    quant_largest: int = 0  # elements of the largest quantised layer (dequantized just in time: a transient)
 
     @property
     def params(self) -> int:
@@ -185,7 +186,8 @@ def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
     return ComponentSpec(kind, layout, tuple(files), compute_name(main), cfg,
                          tuple(blocks.items()), sum(by_dtype.values()), infos,
                          tuple((b, n, nb) for b, (n, nb) in quant.items()),
-                         tuple(sorted(mix.items(), key=lambda kv: -kv[1])), len(quantized))
+                         tuple(sorted(mix.items(), key=lambda kv: -kv[1])), len(quantized),
+                         max((math.prod(infos[q.weight].shape) for q in quantized.values()), default=0))
 
 
 def _candidates(files: Iterable[Path]) -> list[tuple[str, list[Path]]]:

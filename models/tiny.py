@@ -27,11 +27,15 @@ TINY_NAMES = {"transformer": "flux-2-klein-tiny.safetensors", "text_encoder": "q
               "vae": "flux2-vae-tiny.safetensors"}
 
 
-def write_tiny_models(models: Path, seed: int = 0, names: dict[str, str | list[str]] | None = None) -> Path:
+def write_tiny_models(models: Path, seed: int = 0, names: dict[str, str | list[str]] | None = None,
+                      quantize: dict[str, dict[str, Any]] | None = None) -> Path:
     """A ComfyUI-style models/ folder holding tiny random-weight checkpoints; returns it.
 
     `names` gives the file name(s) per component ("transformer", "text_encoder", "vae"), so that a
-    workflow's file names can be served by tiny models. Torch is imported here, not with the module: the names and
+    workflow's file names can be served by tiny models. `quantize` maps a file name to `quantize_fp8`'s
+    keyword arguments: that file is written in fp8 the way ComfyUI stores it (e.g.
+    `{"flux-2-klein-4b-fp8.safetensors": {}, "qwen_3_8b_fp8mixed.safetensors": {"marking": "comfy_quant",
+    "layers": lambda k: ".mlp." in k}}`). Torch is imported here, not with the module: the names and
     configs above are plain data (a demo whose files exist already plans and validates without torch).
     """
     import torch
@@ -55,7 +59,10 @@ def write_tiny_models(models: Path, seed: int = 0, names: dict[str, str | list[s
     for rel, sd in parts.items():
         path = models / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+        meta = None
+        if quantize and path.name in quantize:
+            sd, meta = quantize_fp8(sd, **quantize[path.name])
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path), metadata=meta or None)
     return models
 
 
@@ -68,14 +75,15 @@ FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 
 def quantize_fp8(sd: dict, *, fmt: str = "float8_e4m3fn", marking: str = "metadata", layers: Any = None,
-                 input_scale: float | None = None, uint8: bool = False, prefix: str = ""
+                 input_scale: Any = None, uint8: bool = False, prefix: str = ""
                  ) -> tuple[dict, dict[str, str]]:
     """A state dict's Linear weights quantised per tensor the way ComfyUI stores fp8 checkpoints; (tensors, metadata).
 
     Each chosen 2-d `<layer>.weight` becomes `fmt` (float8_e4m3fn or float8_e5m2; raw bytes as uint8 with
     `uint8`) with `scale = amax / fmt's max` and `q = clamp(w / scale)`, stored with a 0-dim fp32 weight scale
-    and, when `input_scale` is given, a 0-dim fp32 static input scale of that value. `layers(name) -> bool`
-    picks the weights (default: every 2-d `.weight`; mixed files quantise some). `marking` is one of MARKINGS:
+    and, when `input_scale` is given, a 0-dim fp32 static input scale of that value (a number, or a mapping from
+    weight key to number: calibrated scales, amax of the layer's input / 448; keys it lacks get none).
+    `layers(name) -> bool` picks the weights (default: every 2-d `.weight`; mixed files quantise some). `marking` is one of MARKINGS:
     `_quantization_metadata` in the header (returned as metadata), per-layer `<layer>.comfy_quant` uint8 JSON
     tensors, or legacy `scaled_fp8` with `scale_weight` / `scale_input`. `prefix` ("model.diffusion_model.") is
     put before every key and metadata layer name, as in a ComfyUI checkpoint. Pass the result to safetensors'
@@ -100,8 +108,9 @@ def quantize_fp8(sd: dict, *, fmt: str = "float8_e4m3fn", marking: str = "metada
         out[layer + ".weight"] = q.view(torch.uint8) if uint8 else q
         names = ("scale_weight", "scale_input") if marking == "scaled_fp8" else ("weight_scale", "input_scale")
         out[f"{layer}.{names[0]}"] = scale.reshape(())
-        if input_scale is not None:
-            out[f"{layer}.{names[1]}"] = torch.tensor(float(input_scale))
+        s_in = input_scale.get(key) if isinstance(input_scale, dict) else input_scale
+        if s_in is not None:
+            out[f"{layer}.{names[1]}"] = torch.tensor(float(s_in))
         marked[layer] = {"format": fmt}
     meta: dict[str, str] = {}
     if marking == "metadata":

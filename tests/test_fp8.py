@@ -266,3 +266,20 @@ def test_scaled_mm_close_to_dequant_on_gpu(transformer_ref, tmp_path, input_scal
     err = rel_l2(outs["scaled_mm"], outs["dequant"])
     print(f"scaled_mm vs dequant rel-L2 (input_scale={input_scale}): {err:.4f}")
     assert 0 < err < 0.08
+
+
+def test_tiny_models_written_in_fp8_generate(tmp_path):
+    """`write_tiny_models(quantize=...)`: the fp8 transformer and the fp8mixed encoder under the templates' names
+    are recognised by their headers, sized by their real bytes, and a picture comes out."""
+    from vramgraph.models.pipeline import generate, load_models
+    from vramgraph.models.tiny import write_tiny_models
+
+    names = {"transformer": "flux-2-klein-4b-fp8.safetensors", "text_encoder": "qwen_3_8b_fp8mixed.safetensors"}
+    models = write_tiny_models(tmp_path / "models", names=names, quantize={
+        names["transformer"]: {"marking": "scaled_fp8", "prefix": "model.diffusion_model."},
+        names["text_encoder"]: {"marking": "comfy_quant", "layers": lambda k: ".mlp." in k}})
+    spec = loading.inspect(models)
+    assert spec.transformer.quant_layers > 0 and spec.text_encoder.quant_layers == 27 * 3
+    assert spec.transformer.nbytes("bf16") < spec.transformer.params * 2
+    img = generate(load_models(models, dtype=torch.float32), ["a kite"], width=64, height=48, seed=1)
+    assert img.shape[-2:] == (48, 64) and torch.isfinite(img).all()

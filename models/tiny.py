@@ -83,7 +83,8 @@ def quantize_fp8(sd: dict, *, fmt: str = "float8_e4m3fn", marking: str = "metada
     `uint8`) with `scale = amax / fmt's max` and `q = clamp(w / scale)`, stored with a 0-dim fp32 weight scale
     and, when `input_scale` is given, a 0-dim fp32 static input scale of that value (a number, or a mapping from
     weight key to number: calibrated scales, amax of the layer's input / 448; keys it lacks get none).
-    `layers(name) -> bool` picks the weights (default: every 2-d `.weight`; mixed files quantise some). `marking` is one of MARKINGS:
+    `layers(name) -> bool` picks the weights (default: every 2-d `.weight`; mixed files quantise some).
+    `marking` is one of MARKINGS:
     `_quantization_metadata` in the header (returned as metadata), per-layer `<layer>.comfy_quant` uint8 JSON
     tensors, or legacy `scaled_fp8` with `scale_weight` / `scale_input`. `prefix` ("model.diffusion_model.") is
     put before every key and metadata layer name, as in a ComfyUI checkpoint. Pass the result to safetensors'

@@ -284,3 +284,37 @@ def test_tiny_models_written_in_fp8_generate(tmp_path):
     assert spec.transformer.nbytes("bf16") < spec.transformer.params * 2
     img = generate(load_models(models, dtype=torch.float32), ["a kite"], width=64, height=48, seed=1)
     assert img.shape[-2:] == (48, 64) and torch.isfinite(img).all()
+
+
+def test_engine_plans_real_bytes_runs_fp8_and_refuses_nvfp4_at_validation(input_dir, tmp_path):
+    """The shipped text-to-image workflow on an fp8 transformer and an fp8mixed encoder: the plan sizes them by their
+    stored bytes and the prompt runs; a transformer with an nvfp4 layer is refused before anything runs, by the
+    loader node, with the file, the layer and the format."""
+    from test_engine import folders_for, shipped
+    from vramgraph.graph.errors import NodeExecutionError
+    from vramgraph.graph.executor import Engine
+    from vramgraph.models.tiny import write_tiny_models
+
+    names = {"transformer": "flux-2-klein-4b.safetensors", "text_encoder": "qwen_3_4b.safetensors",
+             "vae": "flux2-vae.safetensors"}
+    models = write_tiny_models(tmp_path / "models", names=names, quantize={
+        names["transformer"]: {"prefix": "model.diffusion_model.", "input_scale": 1.0},
+        names["text_encoder"]: {"marking": "comfy_quant", "layers": lambda k: ".layers.1" in k}})
+    engine = Engine(folders_for(models, input_dir, tmp_path), device="cpu")
+    prompt = shipped("text_to_image")
+    sizes = {m.label: m.nbytes for m in engine.prepare(prompt).plan.models.values()}
+    spec = loading.inspect(models)
+    assert sizes["transformer"] == spec.transformer.nbytes("fp32") < spec.transformer.params * 4  # CPU runs fp32
+    assert sizes["text encoder"] == spec.text_encoder.nbytes("fp32") < spec.text_encoder.params * 4
+    assert len(engine.run(prompt).images) == 1
+    path = models / "diffusion_models" / names["transformer"]
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {
+        "model.diffusion_model.double_blocks.0.img_mlp.0": {"format": "nvfp4"}}})}
+    save(tensors, path, metadata=meta)
+    with pytest.raises(NodeExecutionError, match=r"Node 1 \(VGLoadTransformer\).*flux-2-klein-4b\.safetensors: layer "
+                                                 r"double_blocks\.0\.img_mlp\.0: it is quantised as 'nvfp4'") as info:
+        Engine(folders_for(models, input_dir, tmp_path), device="cpu").prepare(prompt)  # headers only: nothing runs
+    assert info.value.executed == [] or not info.value.executed

@@ -103,6 +103,7 @@ def quant_layers(infos: Mapping[str, TensorInfo], metas: Mapping[Path, Mapping[s
     if metas is None:
         metas = {f: read_header(f)[1] for f in files}
     by_file_key = {(i.file, i.name): k for k, i in infos.items()}
+    by_name = {i.name: k for k, i in infos.items()}  # shards: one file's metadata may name another's tensors
     marked: dict[str, tuple[dict, str, str]] = {}  # layer -> (per-layer JSON, marking, file name)
     with_metadata = False
     for f in files:
@@ -114,7 +115,7 @@ def quant_layers(infos: Mapping[str, TensorInfo], metas: Mapping[Path, Mapping[s
         if not isinstance(layers, dict):
             raise CheckpointError(f"{f.name}: its _quantization_metadata has no table of layers")
         for name, conf in layers.items():
-            key = by_file_key.get((f, f"{name}.weight"))
+            key = by_file_key.get((f, f"{name}.weight")) or by_name.get(f"{name}.weight")
             layer = key.removesuffix(".weight") if key is not None else name
             if isinstance(conf, dict):
                 marked[layer] = (conf, "metadata", f.name)

@@ -115,8 +115,10 @@ def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...
     gpu = Variant("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
     if cfg is None or not model.nbytes:
         return (gpu,)
-    embed = cfg.vocab_size * hidden * item
-    layer = (model.nbytes - embed) / max(1, cfg.n_built)
+    blocks = model.spec.block_bytes(model.dtype) if hasattr(model.spec, "block_bytes") else {}
+    layers = [b for name, b in blocks.items() if name.startswith("layers.")]
+    # the largest layer as loaded (fp8 layers of fp8mixed files count as stored); without a spec, an even split
+    layer = max(layers) if layers else (model.nbytes - cfg.vocab_size * hidden * item) / max(1, cfg.n_built)
     stream = Variant("stream", (), _margin(act + 2 * layer + batch * tokens * hidden * item * 4),
                     TE_SECONDS_PER_PROMPT * batch, streams=(model.key,),
                     note="streams the text encoder from pinned host memory, layer by layer")

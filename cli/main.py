@@ -397,7 +397,9 @@ def _inspect(args: argparse.Namespace) -> int:
         c = getattr(spec, kind)
         out[kind] = None if c is None else {
             "layout": c.layout, "files": [str(f) for f in c.files], "dtype": c.dtype, "params": c.params,
-            "bf16_gib": round(c.nbytes("bf16") / 2**30, 3), "blocks": len(c.block_params)}
+            "bf16_gib": round(c.nbytes("bf16") / 2**30, 3), "blocks": len(c.block_params),
+            # what loading it for bf16 compute puts on the GPU, by stored dtype (fp8 layers stay fp8)
+            "bytes": c.nbytes("bf16"), "dtype_mix": dict(c.dtype_mix), "quantized_layers": c.quant_layers}
     print(json.dumps(out, indent=1))
     return 0
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dtypes import stored_name, stored_torch_dtype
-from .headers import CheckpointError, Source, TensorInfo, check_plain
+from .headers import CheckpointError, Source, TensorInfo
+from .quant import check_weights, quant_layers, scale_sources
 
 
 def infos_from_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, TensorInfo]:
@@ -134,6 +135,18 @@ def _arena(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[t
     return flat, {name: flat[o:o + n].view(shapes[name][1]).view(shapes[name][0]) for name, (o, n) in spans.items()}
 
 
+def _same_bytes(stored: str, dtype: torch.dtype) -> bool:
+    """Whether a tensor stored as `stored` is, byte for byte, that tensor in `dtype` (fp8 may be stored as uint8)."""
+    have = stored_torch_dtype(stored)
+    return have == dtype or (have == torch.uint8 and dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`: a cast, except fp8 bytes stored as uint8, which are reinterpreted."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    return t.view(dtype) if t.dtype == torch.uint8 and dtype in fp8 else t.to(dtype)
+
+
 def _byte_spans(source: Source, shape: tuple[int, ...], infos: Mapping[str, TensorInfo], dtype: torch.dtype
                 ) -> list[tuple[Path, int, int]] | None:
     """The file byte ranges that, laid end to end, are this tensor in `dtype`; None if it must be converted.
@@ -142,7 +155,7 @@ def _byte_spans(source: Source, shape: tuple[int, ...], infos: Mapping[str, Tens
     dim 0 lays the parts end to end, swapping the halves of dim 0 reads the second half first.
     """
     parts = [infos.get(k) for k in source.keys]
-    if any(i is None or i.file is None or i.offset < 0 or stored_torch_dtype(i.dtype) != dtype for i in parts):
+    if any(i is None or i.file is None or i.offset < 0 or not _same_bytes(i.dtype, dtype) for i in parts):
         return None
     source.make(lambda k: torch.empty(infos[k].shape, dtype=dtype, device="meta"), shape)  # checks the shape
     if source.op == "swap_halves":
@@ -186,23 +199,32 @@ def _read_spans(flat: torch.Tensor, jobs: list[tuple[int, Path, int, int]], pool
 
 
 def load_weights(build: Callable[[], nn.Module], sources: Mapping[str, Source], infos: Mapping[str, TensorInfo], *,
-                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> nn.Module:
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                 fp8_compute: str | None = None) -> nn.Module:
     """Build a module on the meta device and fill it from checkpoint tensors.
 
     `sources` names, for every parameter and buffer of the module, where it comes from; floating
-    tensors are cast to `dtype`. On the host (`device` "cpu", or "pinned" for page-locked memory) all
+    tensors are cast to `dtype`, except the layers the checkpoint stores in fp8 (models/quant.py): those
+    become fp8 layers (models/fp8.py) whose weights stay fp8 and whose scales are fp32, computing by
+    `fp8_compute` ("dequant" or "scaled_mm"; None: fp8.DEFAULT_COMPUTE). On the host (`device` "cpu", or
+    "pinned" for page-locked memory) all
     weights go into ONE buffer, read from the files by parallel positional reads straight into place
     (see `_host_weights`). On a GPU each tensor is read from the memory-mapped file and moved as soon
     as it is read, so host memory holds at most the mapped file plus a few tensors.
     """
+    from . import fp8
+
     with torch.device("meta"):
         module = build()
+        quantized = check_weights(sources, infos, quant_layers(infos), fp8.quantizable(module))
+        keep = fp8.swap_in(module, quantized, dtype, fp8_compute or fp8.DEFAULT_COMPUTE) if quantized else {}
+    sources = {**sources, **scale_sources(quantized)}
     wanted = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     missing = sorted(set(wanted) - set(sources))
     if missing:
         raise CheckpointError(f"no source for {len(missing)} weights, e.g. {missing[:3]}")
-    check_plain(sources, infos)
-    shapes = {n: (tuple(w.shape), dtype if w.is_floating_point() else w.dtype) for n, w in wanted.items()}
+    shapes = {n: (tuple(w.shape), keep.get(n) or (dtype if w.is_floating_point() else w.dtype))
+              for n, w in wanted.items()}
     if str(device) in ("cpu", "pinned"):
         flat, state = _host_weights(sources, infos, shapes)
         if str(device) == "pinned":
@@ -233,8 +255,8 @@ def _host_weights(sources: Mapping[str, Source], infos: Mapping[str, TensorInfo]
     try:
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="vramgraph-read") as pool:
             _read_spans(flat, jobs, pool)
-            futures = [pool.submit(lambda n: views[n].copy_(sources[n].make(files.get, shapes[n][0])), n)
-                       for n in convert]
+            futures = [pool.submit(lambda n: views[n].copy_(_as(sources[n].make(files.get, shapes[n][0]),
+                                                               shapes[n][1])), n) for n in convert]
             for f in futures:
                 f.result()
     finally:
@@ -257,7 +279,7 @@ def _device_weights(sources: Mapping[str, Source], infos: Mapping[str, TensorInf
                 if i + READ_AHEAD < len(items):
                     n2, (shape2, _) = items[i + READ_AHEAD]
                     pending.append(pool.submit(sources[n2].make, files.get, shape2))
-                state[name] = t.to(device=device, dtype=dt, non_blocking=False)
+                state[name] = _as(t, dt).to(device=device, non_blocking=False)
     finally:
         files.close()
     return state

@@ -236,7 +236,7 @@ class Flux2Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.img_in.weight.dtype
+        return getattr(self.img_in, "compute_dtype", self.img_in.weight.dtype)  # an fp8 layer says what it computes in
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, sigma: torch.Tensor, rope: torch.Tensor,
                 n_target: int | None = None) -> torch.Tensor:
@@ -265,7 +265,10 @@ class Flux2Transformer(nn.Module):
 
 
 def load_transformer(infos: Mapping[str, TensorInfo], cfg: Flux2Config | None = None, *,
-                     dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Flux2Transformer:
-    """Build the transformer from prefix-stripped checkpoint tensors, without random init."""
+                     dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                     fp8_compute: str | None = None) -> Flux2Transformer:
+    """Build the transformer from prefix-stripped checkpoint tensors, without random init; fp8 layers stay fp8 and
+    compute by `fp8_compute` ("dequant", "scaled_mm"; None: models.fp8.DEFAULT_COMPUTE)."""
     cfg = cfg or config_from_checkpoint(infos)
-    return load_weights(lambda: Flux2Transformer(cfg), sources(cfg, infos.keys()), infos, dtype=dtype, device=device)
+    return load_weights(lambda: Flux2Transformer(cfg), sources(cfg, infos.keys()), infos, dtype=dtype, device=device,
+                        fp8_compute=fp8_compute)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .dtypes import PLAIN, STORED, stored_bytes
+from .dtypes import STORED, stored_bytes
 
 
 class CheckpointError(ValueError):
@@ -92,7 +92,8 @@ class Source:
 
     op: "copy"; "cat0" (concatenate the keys along dim 0: fused q|k|v); "swap_halves" (exchange the
     two halves along dim 0: diffusers' final-layer (scale, shift) vs BFL's (shift, scale));
-    "conv1x1" (a Linear weight (o, i) stored as a 1x1 conv (o, i, 1, 1) or back: reshape to `shape`).
+    "conv1x1" (a Linear weight (o, i) stored as a 1x1 conv (o, i, 1, 1) or back: reshape to `shape`);
+    "reshape" (the same elements in our shape: a per-tensor scale stored as [1] for our 0-dim buffer).
     """
 
     keys: tuple[str, ...]
@@ -108,7 +109,7 @@ class Source:
         elif self.op == "swap_halves":
             a, b = get(self.keys[0]).chunk(2, 0)
             t = torch.cat([b, a], 0)
-        elif self.op == "conv1x1":
+        elif self.op in ("conv1x1", "reshape"):
             t = get(self.keys[0]).reshape(shape)
         else:
             raise ValueError(f"unknown op {self.op!r}")
@@ -120,23 +121,13 @@ class Source:
         return sum(infos[k].nbytes for k in self.keys)
 
 
+UNPREFIXED = ("scaled_fp8",)  # keys a file may hold outside its prefix: ComfyUI's legacy fp8 marker
+
+
 def strip_prefix(infos: Mapping[str, TensorInfo], prefixes: tuple[str, ...]) -> dict[str, TensorInfo]:
-    """The same table indexed by bare names, if every key starts with one of `prefixes`."""
+    """The same table indexed by bare names, if every key (but the markers in UNPREFIXED) starts with one of
+    `prefixes`."""
     for p in prefixes:
-        if infos and all(k.startswith(p) for k in infos):
-            return {k[len(p):]: v for k, v in infos.items()}
+        if infos and all(k.startswith(p) for k in infos if k not in UNPREFIXED) and any(k.startswith(p) for k in infos):
+            return {k.removeprefix(p): v for k, v in infos.items()}
     return dict(infos)
-
-
-PLAIN_DTYPES = PLAIN
-
-
-def check_plain(sources: Mapping[str, Source], infos: Mapping[str, TensorInfo]) -> None:
-    """Refuse quantised weights (fp8 and the like): cast without their scales they would give a wrong image."""
-    for s in sources.values():
-        for k in s.keys:
-            info = infos.get(k)
-            if info is not None and info.dtype not in PLAIN_DTYPES:
-                where = f" in {info.file.name}" if info.file is not None else ""
-                raise CheckpointError(f"{k}{where} is stored as {info.dtype}: quantised checkpoints are not "
-                                      "supported; use the bf16 or fp32 file of this model")

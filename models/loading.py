@@ -23,8 +23,9 @@ from typing import Any
 
 from . import flux2_config, qwen3_config, vae_config
 from .dtypes import compute_name, itemsize, torch_dtype
-from .headers import CheckpointError, TensorInfo, check_plain, read_header, read_headers, strip_prefix
+from .headers import CheckpointError, TensorInfo, read_header, read_headers, strip_prefix
 from .paths import walk_files
+from .quant import check_weights, quant_layers, scale_sources, stored_nbytes
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 _PREFIXES = {
@@ -82,22 +83,31 @@ class ComponentSpec:
     kind: str
     layout: str  # where it was found: "hf" (diffusers folder), "comfyui" (models/ folder), "files", "file"
     files: tuple[Path, ...]
-    dtype: str  # storage dtype of most of its bytes: "bf16", "fp16", "fp32"
+    dtype: str  # storage dtype of most of its bytes: "bf16", "fp16", "fp32", "f8_e4m3"
     config: object  # flux2_config.Flux2Config | qwen3_config.Qwen3Config | vae_config.VAEConfig
     block_params: tuple[tuple[str, int], ...]  # (block name, parameter count) of what gets loaded
     file_bytes: int  # bytes of the tensors in the files (all of them, loaded or not)
     infos: Mapping[str, TensorInfo] = field(repr=False, compare=False, default_factory=dict)
+    # (block name, parameters stored quantised, their bytes as loaded: 1 per fp8 element plus fp32 scales);
+    # those keep their storage whatever the compute dtype, the others are cast to it
+    quant_blocks: tuple[tuple[str, int, int], ...] = ()
+    dtype_mix: tuple[tuple[str, int], ...] = ()  # (stored dtype, bytes) of the tensors that get loaded
+    quant_layers: int = 0  # how many layers are quantised (fp8)
+    quant_largest: int = 0  # elements of the largest quantised layer (dequantized just in time: a transient)
 
     @property
     def params(self) -> int:
         return sum(n for _, n in self.block_params)
 
     def nbytes(self, dtype: Any) -> int:
-        """Bytes of the weights once loaded in `dtype` (a name, "bf16", or a torch dtype)."""
-        return self.params * itemsize(dtype)
+        """Bytes of the weights once loaded to compute in `dtype` (a name, "bf16", or a torch dtype): plain
+        weights in `dtype`, fp8 layers as stored (1 byte per element plus their scales)."""
+        return sum(self.block_bytes(dtype).values())
 
     def block_bytes(self, dtype: Any) -> dict[str, int]:
-        return {name: n * itemsize(dtype) for name, n in self.block_params}
+        quant = {name: (n, b) for name, n, b in self.quant_blocks}
+        return {name: (n - quant.get(name, (0, 0))[0]) * itemsize(dtype) + quant.get(name, (0, 0))[1]
+                for name, n in self.block_params}
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,19 @@ def _block_of(name: str) -> str:
     return m[1] if m else "shared"
 
 
+def _quantizable(kind: str, cfg: Any) -> dict[str, str]:
+    """Our parameters that may be stored quantised (models/fp8.py runs them), from shapes alone: every 2-d weight
+    of the transformer and of the text encoder's layers is a bias-free Linear, the encoder's table an embedding;
+    nothing in the VAE."""
+    if kind == "vae":
+        return {}
+    family = flux2_config if kind == "transformer" else qwen3_config
+    out = {n: "linear" for n, shape in family.parameter_shapes(cfg).items() if len(shape) == 2}
+    if kind == "text_encoder":
+        out["embed_tokens.weight"] = "embedding"
+    return out
+
+
 def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
     infos = strip_prefix(read_headers(list(files)), _PREFIXES[kind])
     if kind == "transformer":
@@ -138,17 +161,33 @@ def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
     else:
         cfg = vae_config.config_from_checkpoint(infos)
         src = vae_config.sources(cfg, infos.keys())
-    check_plain(src, infos)
+    quantized = check_weights(src, infos, quant_layers(infos), _quantizable(kind, cfg))
     blocks: dict[str, int] = {}
+    quant: dict[str, tuple[int, int]] = {}
     for name, s in src.items():
         block = _block_of(name)
-        blocks[block] = blocks.get(block, 0) + sum(math.prod(infos[k].shape) for k in s.keys)
+        n = sum(math.prod(infos[k].shape) for k in s.keys)
+        blocks[block] = blocks.get(block, 0) + n
+        if name in quantized:
+            qn, qb = quant.get(block, (0, 0))
+            quant[block] = (qn + n, qb + stored_nbytes(quantized[name], infos))
+    mix: dict[str, int] = {}
+    for s in [*src.values(), *scale_sources(quantized).values()]:
+        for k in s.keys:
+            stored = infos[k].dtype
+            q = next((q for q in quantized.values() if q.weight == k), None)
+            stored = q.storage if q is not None and q.storage else stored
+            mix[stored] = mix.get(stored, 0) + (infos[k].nbytes if stored == infos[k].dtype else
+                                                math.prod(infos[k].shape))
     by_dtype: dict[str, int] = {}
     for info in infos.values():
         by_dtype[info.dtype] = by_dtype.get(info.dtype, 0) + info.nbytes
-    main = max(by_dtype, key=by_dtype.get) if by_dtype else "BF16"
+    main = max(mix, key=mix.get) if mix else "BF16"
     return ComponentSpec(kind, layout, tuple(files), compute_name(main), cfg,
-                         tuple(blocks.items()), sum(by_dtype.values()), infos)
+                         tuple(blocks.items()), sum(by_dtype.values()), infos,
+                         tuple((b, n, nb) for b, (n, nb) in quant.items()),
+                         tuple(sorted(mix.items(), key=lambda kv: -kv[1])), len(quantized),
+                         max((math.prod(infos[q.weight].shape) for q in quantized.values()), default=0))
 
 
 def _candidates(files: Iterable[Path]) -> list[tuple[str, list[Path]]]:
@@ -269,16 +308,18 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
 
 
 def load(spec: ComponentSpec, *, dtype: Any = "bf16", device: Any = "cpu",
-         parts: tuple[str, ...] = ("encoder", "decoder")) -> Any:
+         parts: tuple[str, ...] = ("encoder", "decoder"), fp8_compute: str | None = None) -> Any:
     """Build one component from its spec (a torch module): memory-mapped reads straight into a meta-built module.
 
-    `dtype` is a name ("bf16") or a torch dtype; this is the only function here that imports torch.
+    `dtype` is a name ("bf16") or a torch dtype, the compute dtype (fp8 layers stay fp8 and compute in it, by
+    `fp8_compute` for the transformer: "dequant", "scaled_mm", None for models.fp8.DEFAULT_COMPUTE); this is
+    the only function here that imports torch.
     """
     dt = torch_dtype(dtype)
     if spec.kind == "transformer":
         from .flux2 import load_transformer
 
-        return load_transformer(spec.infos, spec.config, dtype=dt, device=device)
+        return load_transformer(spec.infos, spec.config, dtype=dt, device=device, fp8_compute=fp8_compute)
     if spec.kind == "text_encoder":
         from .qwen3 import load_qwen3
 

@@ -192,9 +192,11 @@ class Qwen3Encoder(nn.Module):
 
 def load_qwen3(infos: Mapping[str, TensorInfo], cfg: Qwen3Config | None = None, dtype: torch.dtype = torch.bfloat16,
                device: str | torch.device = "cpu") -> Qwen3Encoder:
-    """Build the encoder from checkpoint headers and read its weights (only the layers it needs)."""
+    """Build the encoder from checkpoint headers and read its weights (only the layers it needs). fp8 layers
+    (fp8mixed files) stay fp8 and always dequantize, as ComfyUI runs text encoders."""
     cfg = cfg or config_from_checkpoint(infos)
-    enc = load_weights(lambda: Qwen3Encoder(cfg), sources(cfg, infos.keys()), infos, dtype=dtype, device=device)
+    enc = load_weights(lambda: Qwen3Encoder(cfg), sources(cfg, infos.keys()), infos, dtype=dtype, device=device,
+                       fp8_compute="dequant")
     return cast(Qwen3Encoder, enc)
 
 

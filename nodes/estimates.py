@@ -98,17 +98,27 @@ def tile_pixels(batch: int, height: int, width: int) -> int:
     return batch * largest_tile(height) * largest_tile(width) * 256
 
 
+def fp8_transient(model: ModelInfo, item: int) -> int:
+    """What an fp8 model allocates above its calibrated bf16 activations: its largest fp8 layer dequantized to the
+    compute dtype (models/fp8.py dequantizes one layer at a time; the scaled-matmul path's fp8 copy of the
+    activations is smaller). 0 for a model without fp8 layers."""
+    spec = model.spec
+    return getattr(spec, "quant_largest", 0) * item if spec is not None else 0
+
+
 def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...]:
     """Resident on the GPU, or streamed layer by layer from pinned host memory (two layers on the GPU at once)."""
     cfg = model.config
     hidden = cfg.hidden_size if cfg is not None else 2560
     item = _itemsize(model.dtype)
-    act = text_encode_bytes(batch, tokens, hidden, item)
+    act = text_encode_bytes(batch, tokens, hidden, item) + fp8_transient(model, item)
     gpu = Variant("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
     if cfg is None or not model.nbytes:
         return (gpu,)
-    embed = cfg.vocab_size * hidden * item
-    layer = (model.nbytes - embed) / max(1, cfg.n_built)
+    blocks = model.spec.block_bytes(model.dtype) if hasattr(model.spec, "block_bytes") else {}
+    layers = [b for name, b in blocks.items() if name.startswith("layers.")]
+    # the largest layer as loaded (fp8 layers of fp8mixed files count as stored); without a spec, an even split
+    layer = max(layers) if layers else (model.nbytes - cfg.vocab_size * hidden * item) / max(1, cfg.n_built)
     stream = Variant("stream", (), _margin(act + 2 * layer + batch * tokens * hidden * item * 4),
                     TE_SECONDS_PER_PROMPT * batch, streams=(model.key,),
                     note="streams the text encoder from pinned host memory, layer by layer")
@@ -125,13 +135,17 @@ def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch
     item = _itemsize(model.dtype)
     tokens = sampler_tokens(latent, positive)
     batch = latent.batch * cfg_batch
-    act = sampling_bytes(batch, tokens, hidden, item)
+    act = sampling_bytes(batch, tokens, hidden, item) + fp8_transient(model, item)
     act += 2 * latent.batch * latent.height * latent.width * latent.channels * 4  # step preview: x0 and its RGB
     seconds = DIT_SECONDS_PER_TOKEN_STEP * tokens * batch * steps * _param_scale(model)
     return Variant("gpu", (model.key,), _margin(act), seconds)
 
 
 def _param_scale(model: ModelInfo) -> float:
+    """Compute grows with parameters, not bytes (an fp8 model does the same matmuls in half the bytes)."""
+    params = getattr(model.spec, "params", 0) if model.spec is not None else 0
+    if params:  # the same as nbytes for plain weights; fp8 layers count as the compute dtype
+        return params * _itemsize(model.dtype) / (7.219 * GiB)
     return model.nbytes / (7.219 * GiB) if model.nbytes else 1.0
 
 

@@ -135,14 +135,16 @@ def test_rope_rotates_adjacent_pairs():
 
 
 def test_quantised_checkpoint_is_refused(files, tmp_path):
-    """An fp8 file cast to bf16 without its scales would give a wrong image: it must be refused, by name."""
+    """An int8 weight no marking explains, cast without its scales, would give a wrong image: it must be refused,
+    by name (fp8 checkpoints are tested in tests/test_fp8.py)."""
     from safetensors.torch import load_file
     from vramgraph.models import loading
 
     sd = load_file(files / "bfl.safetensors")
-    sd["double_blocks.0.img_attn.qkv.weight"] = sd["double_blocks.0.img_attn.qkv.weight"].to(torch.float8_e4m3fn)
-    save(sd, tmp_path / "fp8.safetensors")
-    with pytest.raises(CheckpointError, match=r"img_attn\.qkv\.weight in fp8\.safetensors is stored as F8_E4M3"):
-        loading.inspect(tmp_path / "fp8.safetensors")
-    with pytest.raises(CheckpointError, match="quantised checkpoints are not supported"):
-        flux2.load_transformer(read_header(tmp_path / "fp8.safetensors")[0])
+    sd["double_blocks.0.img_attn.qkv.weight"] = sd["double_blocks.0.img_attn.qkv.weight"].to(torch.int8)
+    save(sd, tmp_path / "int8.safetensors")
+    with pytest.raises(CheckpointError, match=r"img_attn\.qkv\.weight in int8\.safetensors is stored as I8 and is "
+                                              "not marked"):
+        loading.inspect(tmp_path / "int8.safetensors")
+    with pytest.raises(CheckpointError, match="is not marked as a quantised layer vramgraph runs"):
+        flux2.load_transformer(read_header(tmp_path / "int8.safetensors")[0])

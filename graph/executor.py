@@ -202,7 +202,7 @@ class _Short(Exception):
 
     node: str  # the node that failed, or that the load was for
     class_type: str
-    key: str  # what is retried once: the node, or "load <model>"
+    key: str  # what is retried once: the node, "load <model>" (failed), "check load <model>" (found short)
     error: str = ""  # "torch.OutOfMemoryError: ..." as the node raised it
     exception_type: str = ""
     traceback: list[str] = field(default_factory=list)
@@ -270,6 +270,7 @@ class Engine:
         self._lock = threading.Lock()
         self._pid = ""
         self._cuts: _Cuts | None = None  # the running run's cancellations (see Cancel)
+        self._retried: set[str] = set()  # this run's nodes and loads the rest was planned again for (live budget)
         self._peaks = (0, 0)  # torch allocator peaks (allocated, reserved) since `peaks(reset=True)`, across nodes
 
     # -- services for nodes
@@ -380,7 +381,7 @@ class Engine:
             t0 = time.perf_counter()
             values = {n: self._cache[prep.signatures[n]] for n in prep.cached}
             self._cuts = None if cancel is None else _Cuts(cancel, prep, values, events)
-            retried: set[str] = set()
+            retried = self._retried = set()  # nodes and loads planned again for: each only once
             try:
                 i = 0
                 while i < len(prep.plan.steps):
@@ -507,12 +508,14 @@ class Engine:
             short = None
             run = next((s.step.node for s in prep.plan.steps[i:] if isinstance(s.step, planner.Run)), "")
             cls = prep.prompt.get(run, {}).get("class_type", "")
-            if self.probe is not None and self.live_budget()[0].gpu < max(s.gpu_bytes for s in prep.plan.steps[i:]):
-                raise _Short(run, cls, f"load {step.model}")  # the rest no longer fits: planned again first
+            key = f"load {step.model}"
+            if self.probe is not None and f"check {key}" not in self._retried \
+                    and self.live_budget()[0].gpu < max(s.gpu_bytes for s in prep.plan.steps[i:]):
+                raise _Short(run, cls, f"check {key}")  # the rest no longer fits: planned again first (once a load)
             try:
                 self.ledger.load(step.model, step.source, pin=step.pin)
             except torch.OutOfMemoryError as e:  # taken by another process since the check: planned again
-                short = _Short(run, cls, f"load {step.model}", f"loading {self.ledger.entries[step.model].info.label} "
+                short = _Short(run, cls, key, f"loading {self.ledger.entries[step.model].info.label} "
                                f"failed: {e}", _type_name(type(e)), traceback.format_exception(e), {},
                                self.ledger.entries[step.model].info.nbytes, 0)
             except Exception as e:  # a damaged file, no host memory left: the loader node that named it failed

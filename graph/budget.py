@@ -5,15 +5,20 @@ By default: what the device has free (plus what this process already holds) minu
 holds outside torch's allocator come out of it, and the allocator is capped with
 `torch.cuda.set_per_process_memory_fraction` so that nothing can exceed it unnoticed.
 
-The budget type is the planner's own `Budget` (graph/planner.py); this module measures and parses it.
+The budget type is the planner's own `Budget` (graph/planner.py); this module measures and parses it, and keeps it
+live: `live` narrows it to what a `Probe` reads the device has free now (other processes may take memory at any
+time), and `shortage` / `short_plan_error` say so when that leaves too little.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from .planner import DEFAULT_RESERVE, Budget
+from .planner import DEFAULT_RESERVE, Budget, PlanError
 
 GiB = 2**30
 HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
@@ -120,3 +125,63 @@ def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | 
     if cap:  # torch may hold the plan's bytes and the reserve (allocator rounding, workspaces), no more
         torch.cuda.set_per_process_memory_fraction((gpu + res) / total, index)
     return Budget(gpu, host_bytes, card, res, outside + CARD_MARGIN)
+
+
+# ---------------------------------------------------------------------------------------------- the live budget
+# Other processes may take GPU memory at any time. Before each prompt and each planned load the engine asks a probe
+# what the device has free and plans within its own holdings + that - the reserve, never above the budget it was given.
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One reading of the device: bytes free, its size, what this process's allocator holds (in use or cached) and
+    what this process holds outside the allocator (the CUDA context, measured when the probe was made)."""
+
+    free: int
+    total: int
+    allocator: int = 0
+    context: int = 0
+
+    @property
+    def others(self) -> int:
+        """Bytes held by other processes."""
+        return max(0, self.total - self.free - self.allocator - self.context)
+
+
+Probe = Callable[[], DeviceMemory]
+
+
+def cuda_probe(device: Any) -> Probe:
+    """The probe of a CUDA device: `torch.cuda.mem_get_info` and the allocator's reserved bytes (one driver call)."""
+    import torch
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    context = max(0, total - free - torch.cuda.memory_reserved(index))  # assumes the device is not shared yet
+
+    def probe() -> DeviceMemory:
+        free, total = torch.cuda.mem_get_info(index)
+        return DeviceMemory(free, total, torch.cuda.memory_reserved(index), context)
+
+    return probe
+
+
+def live(budget: Budget, mem: DeviceMemory) -> Budget:
+    """`budget` within what is really there: this process's allocator holdings + what is free - the reserve."""
+    gpu = min(budget.gpu, mem.allocator + mem.free - budget.reserve)
+    return budget if gpu >= budget.gpu else dataclasses.replace(budget, gpu=max(0, gpu))
+
+
+def shortage(budget: Budget, mem: DeviceMemory) -> str:
+    """What other processes hold and what that leaves, for the errors of a budget shrunk by them."""
+    return (f"other processes hold {mem.others / GiB:.2f} GiB of the device's {mem.total / GiB:.2f} GiB, which "
+            f"leaves this engine {live(budget, mem).gpu / GiB:.2f} GiB of its {budget.gpu / GiB:.2f} GiB budget")
+
+
+def short_plan_error(e: PlanError, budget: Budget, mem: DeviceMemory) -> PlanError:
+    """The planner's error for a prompt that does not fit the live budget, saying that other processes took it."""
+    msg = f"{shortage(budget, mem)}; {e.message}"
+    details = f"{e.details}; free GPU memory in the other processes (or wait for them), then queue again"
+    return PlanError(e.node, e.class_type, e.needed, e.budget, msg, details,
+                     {**e.extra, "others_bytes": mem.others, "free_bytes": mem.free, "budget_given_bytes": budget.gpu})

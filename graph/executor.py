@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 import traceback
@@ -38,8 +39,8 @@ from ..nodes.catalog import ModelCatalog
 from ..nodes.files import Folders
 from ..nodes.types import ModelInfo, Variant, is_link
 from ..nodes.values import ModelHandle
-from . import planner, queue
-from .budget import budget_for
+from . import estimate, planner, queue
+from .budget import DeviceMemory, Probe, budget_for, cuda_probe, live, short_plan_error, shortage
 from .costs import cost_for
 from .errors import InterruptedRun, NodeExecutionError, _type_name
 from .ledger import Ledger
@@ -84,11 +85,12 @@ class RunResult:
     loads: int = 0
     unloads: int = 0
     seconds: float = 0.0
+    replans: list[planner.Plan] = field(default_factory=list)  # the rest of the run planned again (live budget)
 
     def to_json(self) -> dict:
         return {"prompt_id": self.prompt_id, "seconds": round(self.seconds, 4), "loads": self.loads,
                 "unloads": self.unloads, "cached": list(self.cached), "images": [str(p) for p in self.images],
-                "nodes": [vars(n) for n in self.nodes], "plan": self.plan.to_json()}
+                "nodes": [vars(n) for n in self.nodes], "plan": self.plan.to_json(), "replans": len(self.replans)}
 
 
 class NodeContext:
@@ -194,6 +196,30 @@ class _Dropped(InterruptedRun):
 
 
 @dataclass
+class _Short(Exception):
+    """The GPU has less free than the plan counts on (caught by the run, which plans the rest again): before a load
+    (`error` empty) or an allocation failure in a node or a load that was not ours to foresee (the node had used no
+    more than its estimate). It holds the failure's text, never the exception, so that its frames' tensors are freed."""
+
+    node: str  # the node that failed, or that the load was for
+    class_type: str
+    key: str  # what is retried once: the node, "load <model>" (failed), "check load <model>" (found short)
+    error: str = ""  # "torch.OutOfMemoryError: ..." as the node raised it
+    exception_type: str = ""
+    traceback: list[str] = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)  # the node's plain inputs, as errors show them
+    predicted: int = 0
+    used: int = 0  # what the node had allocated (its measured peak + the failed request)
+
+
+def _tried(message: str) -> int:
+    """The bytes a CUDA out-of-memory message says were asked for ("Tried to allocate 2.00 GiB"), else 0."""
+    m = re.search(r"Tried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)", message)
+    return int(float(m.group(1)) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[m.group(2)]) \
+        if m else 0
+
+
+@dataclass
 class _Cuts:
     """A run's cancellations so far: the outputs given up and the plan's nodes no longer to run."""
 
@@ -227,7 +253,8 @@ class Engine:
 
     def __init__(self, folders: Folders, *, device: str | None = None, dtype: str | None = None,
                  budget: planner.Budget | None = None, nodes: Mapping[str, type] = ENGINE_NODES,
-                 cost: planner.CostModel | None = None, allow_builtin: bool = False, previews: bool = False) -> None:
+                 cost: planner.CostModel | None = None, allow_builtin: bool = False, previews: bool = False,
+                 probe: Probe | None = None) -> None:
         self.folders = folders
         self.previews = previews  # step previews as "preview" events
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -236,12 +263,15 @@ class Engine:
         self.catalog = ModelCatalog(folders, self.dtype, allow_builtin)  # model infos and tokenizers
         self.ledger = Ledger(self.device)
         self.budget = budget or budget_for(self.device)
+        # reads the device's free memory before each prompt and planned load (graph/budget.py: the live budget)
+        self.probe = probe if probe is not None else cuda_probe(self.device) if self.device.type == "cuda" else None
         self.cost = cost or cost_for(self.device)  # a CUDA device is probed; elsewhere the H200's, named as assumed
         self._cache: dict[str, tuple] = {}  # signature -> outputs of the last runs
         self._interrupt = threading.Event()
         self._lock = threading.Lock()
         self._pid = ""
         self._cuts: _Cuts | None = None  # the running run's cancellations (see Cancel)
+        self._retried: set[str] = set()  # this run's nodes and loads the rest was planned again for (live budget)
         self._peaks = (0, 0)  # torch allocator peaks (allocated, reserved) since `peaks(reset=True)`, across nodes
         self._exchange: Any = None  # the running lane's exchange with the other devices' lanes (graph/devices.py)
 
@@ -303,25 +333,38 @@ class Engine:
                        max(self._peaks[1], torch.cuda.max_memory_reserved(self.device)))
 
     # -- planning
+    def live_budget(self) -> tuple[planner.Budget, DeviceMemory | None]:
+        """The budget now: the one given, within what the device has free (graph/budget.live), and the reading."""
+        if self.probe is None:
+            return self.budget, None
+        mem = self.probe()
+        return live(self.budget, mem), mem
+
     def prepare(self, prompt: dict, *, repeat: bool = True, outputs: Iterable[str] | None = None) -> Prepared:
         """Validate, estimate and plan `prompt` (API format) from where the weights are now and what is cached;
         `outputs` limits the output nodes run (ComfyUI's partial_execution_targets), None runs them all.
         Raises ValidationFailed or planner.PlanError."""
-        prep = self._prepare(prompt, repeat, outputs)
+        budget, mem = self.live_budget()
+        try:
+            prep = self._prepare(prompt, repeat, outputs, budget)
+        except planner.PlanError as e:  # other processes took what it needs: say so
+            if mem is None or budget.gpu >= self.budget.gpu or e.needed > self.budget.gpu:
+                raise
+            raise short_plan_error(e, self.budget, mem) from None
         infos = [o for c in prep.costs.values() for o in c.outputs if isinstance(o, ModelInfo)]
         held = self.ledger.entries
         stale = {i.key for i in infos if i.key in held and held[i.key].info.source != i.source}
         if stale:  # a model file replaced since its weights were read: drop them and plan again from the file
             log.info("model files changed on disk, their weights are read again: %s", ", ".join(sorted(stale)))
             self.ledger.forget(set(held) - stale)
-            prep = self._prepare(prompt, repeat, outputs)
+            prep = self._prepare(prompt, repeat, outputs, budget)
         for info in infos:
             self.ledger.register(info)
         return prep
 
-    def _prepare(self, prompt: dict, repeat: bool, outputs: Iterable[str] | None) -> Prepared:
+    def _prepare(self, prompt: dict, repeat: bool, outputs: Iterable[str] | None, budget: planner.Budget) -> Prepared:
         resident = {key: planner.ModelCost(key, e.info.nbytes, e.info.label) for key, e in self.ledger.entries.items()}
-        return prepare(prompt, self.nodes, self.folders, self.catalog, self.budget, self.cost, repeat=repeat,
+        return prepare(prompt, self.nodes, self.folders, self.catalog, budget, self.cost, repeat=repeat,
                        outputs=outputs, cached=self._cache.keys(),
                        start=planner.Residency(self.ledger.on_gpu, self.ledger.pinned), resident=resident)
 
@@ -343,9 +386,15 @@ class Engine:
             t0 = time.perf_counter()
             values = {n: self._cache[prep.signatures[n]] for n in prep.cached}
             self._cuts = None if cancel is None else _Cuts(cancel, prep, values, events)
+            retried = self._retried = set()  # nodes and loads planned again for: each only once
             try:
-                for i, ps in enumerate(prep.plan.steps):
-                    self._step(i, ps, prep, values, result, extra_pnginfo, events)
+                i = 0
+                while i < len(prep.plan.steps):
+                    try:
+                        self._step(i, prep.plan.steps[i], prep, values, result, extra_pnginfo, events)
+                        i += 1
+                    except _Short as short:  # other processes took memory: the rest of the run is planned again
+                        prep, i = self._recover(short, prep, values, retried, result, events), 0
             except BaseException:
                 self._keep(prep, values)  # interrupted or failed: the nodes that finished stay cached
                 self._release()
@@ -360,6 +409,57 @@ class Engine:
             events("executing", {"node": None, "prompt_id": pid})
             events("execution_success", {"prompt_id": pid})
             return result
+
+    def _recover(self, short: _Short, prep: Prepared, values: dict, retried: set[str], result: RunResult,
+                 events: Events) -> Prepared:
+        """The rest of the run planned again within what the device has free now (its caches freed first), after a
+        load found too little free or an allocation failed that the plan had room for; a failed node or load is
+        retried once. When nothing fits, or it fails again, the error says what other processes hold."""
+        again = bool(short.error) and short.key in retried
+        retried.add(short.key)
+        self._release()
+        budget, mem = self.live_budget()
+        mem = mem or DeviceMemory(0, 0)
+        used = f"it used {short.used / 2**30:.2f} GiB of the {short.predicted / 2**30:.2f} GiB planned for it"
+        if again:
+            raise self._short_failure(short, values, f"{short.error}; it ran out of GPU memory again after the rest of "
+                                      f"the prompt was planned again ({used}): {shortage(self.budget, mem)}; free GPU "
+                                      "memory in the other processes, then queue again")
+        try:
+            new = self._replan(prep, values, budget)
+        except planner.PlanError as e:
+            if not short.error:
+                raise short_plan_error(e, self.budget, mem) from None
+            raise self._short_failure(short, values, f"{short.error}; other processes took GPU memory while it ran "
+                                      f"({used}): {shortage(self.budget, mem)}, and no plan of the rest of the prompt "
+                                      f"fits: {e.message}") from None
+        why = "ran out of GPU memory" if short.error else "is next and the device has less free than planned"
+        log.warning("node %s (%s) %s: the rest of the run is planned again within %.2f GiB (%s)", short.node,
+                    short.class_type, why, budget.gpu / 2**30, shortage(self.budget, mem))
+        result.replans.append(new.plan)
+        events("vg_replan", {"prompt_id": self._pid, "node": short.node, "reason": "out_of_memory" if short.error
+                             else "load", "budget_bytes": budget.gpu, "others_bytes": mem.others,
+                             "free_bytes": mem.free, "plan": new.plan.to_json()})
+        return new
+
+    def _replan(self, prep: Prepared, values: Mapping, budget: planner.Budget) -> Prepared:
+        """`prep` with a plan of its nodes not yet run (nor left out by a Cancel), from where the weights are now."""
+        done = {n for n in values if isinstance(n, str)} | (self._cuts.dropped if self._cuts is not None else set())
+        todo = prep.dag.subgraph(n for n in prep.dag.nodes if n not in done).copy()
+        costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
+        for key, e in self.ledger.entries.items():
+            models.setdefault(key, planner.ModelCost(key, e.info.nbytes, e.info.label))
+        plan = planner.plan(todo, {n: costs[n] for n in todo.nodes}, models, budget, self.cost,
+                            planner.Residency(self.ledger.on_gpu, self.ledger.pinned))
+        new = dataclasses.replace(prep, plan=plan)
+        if self._cuts is not None:
+            self._cuts.prep, self._cuts.step = new, 0
+        return new
+
+    def _short_failure(self, short: _Short, values: Mapping, message: str) -> NodeExecutionError:
+        executed = [n for n in values if isinstance(n, str)]
+        return NodeExecutionError(short.node, short.class_type, message, short.exception_type, short.traceback,
+                                  short.inputs, self._pid, executed)
 
     def _keep(self, prep: Prepared, values: Mapping) -> None:
         """The output cache after a run: every node of this prompt that has its outputs (cached or finished),
@@ -411,8 +511,19 @@ class Engine:
               extra_pnginfo: dict | None, events: Events) -> None:
         step = ps.step
         if isinstance(step, planner.Load):
+            short = None
+            run = next((s.step.node for s in prep.plan.steps[i:] if isinstance(s.step, planner.Run)), "")
+            cls = prep.prompt.get(run, {}).get("class_type", "")
+            key = f"load {step.model}"
+            if self.probe is not None and f"check {key}" not in self._retried \
+                    and self.live_budget()[0].gpu < max(s.gpu_bytes for s in prep.plan.steps[i:]):
+                raise _Short(run, cls, f"check {key}")  # the rest no longer fits: planned again first (once a load)
             try:
                 self.ledger.load(step.model, step.source, pin=step.pin)
+            except torch.OutOfMemoryError as e:  # taken by another process since the check: planned again
+                short = _Short(run, cls, key, f"loading {self.ledger.entries[step.model].info.label} "
+                               f"failed: {e}", _type_name(type(e)), traceback.format_exception(e), {},
+                               self.ledger.entries[step.model].info.nbytes, 0)
             except Exception as e:  # a damaged file, no host memory left: the loader node that named it failed
                 node = next((n for n, out in values.items() if isinstance(n, str)
                              and any(isinstance(v, ModelHandle) and v.key == step.model for v in out)), None)
@@ -420,6 +531,8 @@ class Engine:
                     raise
                 raise self._failure(node, prep.prompt[node]["class_type"], f"loading its model failed: {e}", e,
                                     prep.prompt[node]["inputs"], values) from e
+            if short is not None:
+                raise short
             result.loads += 1
             later = (s.step for s in prep.plan.steps[i + 1:] if isinstance(s.step, planner.Load))
             ahead = next((s for s in later if s.source == "file" and s.pin), None)
@@ -503,17 +616,26 @@ class Engine:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
+        short = None
         try:
             out = getattr(cls(), cls.FUNCTION)(**inputs)
         except InterruptedRun:
             raise
         except Exception as e:
             hint = ""
-            if isinstance(e, torch.OutOfMemoryError):
+            used = (torch.cuda.max_memory_allocated() - base if cuda else 0) + _tried(str(e))
+            if isinstance(e, torch.OutOfMemoryError) and used <= predicted:  # not ours: other processes took it
+                shown = {k: [v] for k, v in inputs.items() if isinstance(v, int | float | str | bool)}
+                short = _Short(node, class_type, node, f"{e}", _type_name(type(e)), traceback.format_exception(e),
+                               shown, predicted, used)
+            elif isinstance(e, torch.OutOfMemoryError):  # our own peak passed the estimate
                 hint = (f"; the plan predicted {predicted / 2**30:.2f} GiB for this node within a "
                         f"{self.budget.gpu / 2**30:.2f} GiB budget, so its estimate is wrong: please report it, "
                         "and meanwhile lower the size or pass a smaller --vram")
-            raise self._failure(node, class_type, f"{e}{hint}", e, inputs, values) from e
+            if short is None:
+                raise self._failure(node, class_type, f"{e}{hint}", e, inputs, values) from e
+        if short is not None:  # raised here, the failure's frames (and their tensors) are gone
+            raise short
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0

@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import networkx as nx
 
+from .early import finish_early
+
 if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
     from ..nodes.types import Variant
 
@@ -609,6 +611,7 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         prov[n] = fit
     pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
     order, peak_out = _order(dag, nodes, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
+    order = finish_early(order, dag, prov, {k: m.nbytes for k, m in models.items()}, budget.gpu, sorted(start.gpu))
     everything = frozenset(models)
     first = _assign(order, costs, sizes, budget, cost, start, prov, everything, repeat)
     # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by

@@ -9,7 +9,7 @@ unless given), "hidden" (the model's width: 2560 for the Qwen3 encoder, 3072 for
 and "decoder_width" (the VAE's first level's channels, 128 unless given). The fit is ordinary least squares of each
 formula, linear in its constants:
 
-    text encode   bytes = TE_PER_TOKEN * batch * tokens * hidden * item
+    text encode   bytes = TE_FIXED_<dtype> + TE_PER_TOKEN_<dtype> * batch * tokens * hidden * item   (bf16, fp32 apart)
     sampler       bytes = batch * hidden * item * (DIT_PER_TOKEN * tokens + DIT_FIXED)
     decode        bytes = VAE_DECODE_PER_PIXEL * pixels * decoder_width * item + VAE_DECODE_FIXED
     encode        bytes = VAE_ENCODE_PER_PIXEL * pixels * decoder_width * item + VAE_ENCODE_FIXED
@@ -29,7 +29,9 @@ from . import estimates
 from .estimates import _itemsize
 
 KINDS = ("text_encode", "sampler", "decode", "tiled", "vae_encode")
-CONSTANTS = ("TE_PER_TOKEN", "DIT_PER_TOKEN", "DIT_FIXED", "VAE_DECODE_PER_PIXEL", "VAE_DECODE_FIXED",
+TE_DTYPES = {"BF16": 2, "FP32": 4}  # the text encode's constants by the item size they are fitted on
+CONSTANTS = ("TE_FIXED_BF16", "TE_PER_TOKEN_BF16", "TE_FIXED_FP32", "TE_PER_TOKEN_FP32", "DIT_PER_TOKEN", "DIT_FIXED",
+             "VAE_DECODE_PER_PIXEL", "VAE_DECODE_FIXED",
              "VAE_ENCODE_PER_PIXEL", "VAE_ENCODE_FIXED", "TILED_CANVAS")
 DEFAULT_HIDDEN = {"text_encode": 2560, "sampler": 3072}
 Point = Mapping[str, Any]
@@ -66,9 +68,11 @@ def _lstsq(x: Sequence[float], y: Sequence[float], intercept: bool) -> tuple[flo
 def fit(calibration: Mapping[str, Sequence[Point]]) -> dict[str, float]:
     """The estimate constants that fit `calibration` best (least squares), unrounded."""
     c: dict[str, float] = {}
-    te = calibration["text_encode"]
-    c["TE_PER_TOKEN"] = _lstsq([p["batch"] * p.get("tokens", 512) * _hidden("text_encode", p) * _item(p)
-                                for p in te], [p["bytes"] for p in te], False)[0]
+    for name, item in TE_DTYPES.items():  # a fixed part needs two sizes; with one, the per-token term alone
+        te = [p for p in calibration["text_encode"] if min(_item(p), 4) == item]
+        x = [p["batch"] * p.get("tokens", 512) * _hidden("text_encode", p) * _item(p) for p in te]
+        if te:
+            c[f"TE_PER_TOKEN_{name}"], c[f"TE_FIXED_{name}"] = _lstsq(x, [p["bytes"] for p in te], len(set(x)) > 1)
     s = calibration["sampler"]
     c["DIT_PER_TOKEN"], c["DIT_FIXED"] = _lstsq(
         [p["tokens"] for p in s], [p["bytes"] / (p["batch"] * _hidden("sampler", p) * _item(p)) for p in s], True)
@@ -93,8 +97,9 @@ def predict(kind: str, p: Point, c: Mapping[str, float] | None = None) -> float:
     (default: those in use)."""
     c = c or in_use()
     if kind == "text_encode":
+        name = "FP32" if _item(p) >= 4 else "BF16"
         return estimates.text_encode_bytes(p["batch"], p.get("tokens", 512), _hidden(kind, p), _item(p),
-                                           c["TE_PER_TOKEN"])
+                                           c[f"TE_PER_TOKEN_{name}"], c[f"TE_FIXED_{name}"])
     if kind == "sampler":
         return estimates.sampling_bytes(p["batch"], p["tokens"], _hidden(kind, p), _item(p), c["DIT_PER_TOKEN"],
                                         c["DIT_FIXED"])

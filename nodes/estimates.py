@@ -26,8 +26,12 @@ MARGIN = 1.04
 # Transformer, one sampling step, per image in the batch: (DIT_PER_TOKEN * tokens + DIT_FIXED) * hidden * itemsize
 DIT_PER_TOKEN = 21.17
 DIT_FIXED = 1431.0
-# Qwen3 encoder: bytes per (batch * token * hidden * itemsize), 512 tokens
-TE_PER_TOKEN = 17.1
+# Qwen3 encoder, per compute dtype: a fixed part plus bytes per (batch * token * hidden * itemsize), 512 tokens.
+# Fitted on bench/results/calibrate-rerun.json (bf16 and fp32, batch 1 and 2): the per-token form alone was up to 43 %
+# off there (a fixed ~66 MiB in bf16 that the first run's single point could not show). bf16's constants serve every
+# 2-byte compute (fp16, fp8-stored weights).
+TE_FIXED_BF16, TE_PER_TOKEN_BF16 = 6.868e7, 4.103
+TE_FIXED_FP32, TE_PER_TOKEN_FP32 = 7.078e6, 15.85
 # VAE: bytes per (pixel * channels[0] * itemsize) plus a fixed part; decode per output pixel, encode per input pixel
 VAE_DECODE_PER_PIXEL, VAE_DECODE_FIXED = 9.512, 1.531e6
 VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.069, 7.161e5
@@ -71,8 +75,13 @@ def _itemsize(dtype: str) -> int:
 
 # The activation peaks as functions of shapes, item size and widths (bytes, before MARGIN); the constants are
 # parameters so that nodes.calibration can fit them and check each point with the same formula.
-def text_encode_bytes(batch: int, tokens: int, hidden: int, item: int, per_token: float = TE_PER_TOKEN) -> float:
-    return batch * tokens * hidden * item * per_token
+def text_encode_bytes(batch: int, tokens: int, hidden: int, item: int, per_token: float | None = None,
+                      fixed: float | None = None) -> float:
+    """The Qwen3 encode of `batch` prompts of `tokens` tokens; the constants default to the item size's fit."""
+    if per_token is None or fixed is None:
+        f, k = (TE_FIXED_FP32, TE_PER_TOKEN_FP32) if item >= 4 else (TE_FIXED_BF16, TE_PER_TOKEN_BF16)
+        per_token, fixed = (k if per_token is None else per_token), (f if fixed is None else fixed)
+    return fixed + batch * tokens * hidden * item * per_token
 
 
 def sampling_bytes(batch: int, tokens: int, hidden: int, item: int, per_token: float = DIT_PER_TOKEN,

@@ -330,6 +330,8 @@ class Worker:
                                 "prompt_id": pid})
             elif kind == "vg_step":
                 emit("vramgraph.step", data)
+            elif kind == "vg_replan":  # other processes took GPU memory: the rest of the run was planned again
+                emit("vramgraph.replan", data)
             elif kind == "vg_estimate_exceeded":
                 emit("vramgraph.estimate", data)
             elif kind == "preview":
@@ -532,6 +534,10 @@ class Worker:
                 for sid, first in _clients([m for m, _ in running(node)]).items():
                     self.hub.send_threadsafe("vramgraph.estimate", {**data, "prompt_id": first.pid, "node": next(
                         orig for m, orig in running(node) if m is first), "prompt_ids": pids}, sid)
+            elif kind == "vg_replan":
+                for sid, first in _clients([m for m in members if not m.done]).items():
+                    self.hub.send_threadsafe("vramgraph.replan", {**data, "prompt_id": first.pid, "prompt_ids": pids},
+                                             sid)
             elif kind == "vg_step":
                 moves[data["kind"]] = moves.get(data["kind"], 0) + 1
                 for sid, first in _clients([m for m in members if not m.done]).items():

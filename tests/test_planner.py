@@ -274,8 +274,10 @@ def test_weights_alone_too_big():
 
 
 def test_queue_of_three_groups_by_model():
-    """Three prompts sharing one te/dit/vae on a 12 GiB card: encode all, sample all, decode all. The three models
-    cannot be resident together with the decode's activation, so all three get pinned copies.
+    """Three prompts sharing one te/dit/vae on a 12 GiB card: encode all, then sample and decode each in turn (the
+    decode fits beside the transformer, so decoding each image as soon as it is sampled moves no extra byte: the VAE
+    is loaded once, after the first sample). The three models cannot be resident together with the decode's
+    activation, so all three get pinned copies.
 
         enc0 ──► sample0 ──► decode0
         enc1 ──► sample1 ──► decode1
@@ -284,10 +286,56 @@ def test_queue_of_three_groups_by_model():
     dag, costs = chains(3)
     p = plan(dag, costs, MODELS, card(12))
     assert steps(p) == [Load("te", **FILE_PIN), Run("enc0", "gpu"), Run("enc1", "gpu"), Run("enc2", "gpu"),
-                        Unload("te", "pinned"), Load("dit", **FILE_PIN),
-                        Run("sample0", "gpu"), Run("sample1", "gpu"), Run("sample2", "gpu"),
-                        Load("vae", **FILE_PIN), Run("decode0", "gpu"), Run("decode1", "gpu"), Run("decode2", "gpu")]
+                        Unload("te", "pinned"), Load("dit", **FILE_PIN), Run("sample0", "gpu"),
+                        Load("vae", **FILE_PIN), Run("decode0", "gpu"), Run("sample1", "gpu"), Run("decode1", "gpu"),
+                        Run("sample2", "gpu"), Run("decode2", "gpu")]
     assert [s.step.model for s in p.steps if isinstance(s.step, Load)] == ["te", "dit", "vae"]
+
+
+def test_queue_of_eight_decodes_each_image_once_it_is_sampled_where_that_moves_nothing_more():
+    """Eight 1024² prompts on a 12 GiB card: the decode (0.09 + 2.38 GiB) fits beside the transformer (7.22 GiB), so
+    each image is decoded right after its sample, with the same three loads as sampling all first; the first image
+    comes after one sample. At 1536² (5.35 GiB) it does not fit beside the transformer: decoding early would evict it
+    before the next sample, so the decodes wait until every image is sampled, as before.
+
+        enc0 ──► sample0 ──► decode0
+        ...
+        enc7 ──► sample7 ──► decode7
+    """
+    dag, costs = chains(8)
+    p = plan(dag, costs, MODELS, card(12))
+    assert p.order == (*(f"enc{i}" for i in range(8)), *(x for i in range(8) for x in (f"sample{i}", f"decode{i}")))
+    assert [s.step.model for s in p.steps if isinstance(s.step, Load)] == ["te", "dit", "vae"]
+    assert not [s for s in p.steps if isinstance(s.step, Unload) and s.step.model != "te"]
+    dag, costs = chains(8, side=1536)
+    p = plan(dag, costs, MODELS, card(12))
+    assert p.order == tuple(f"{x}{i}" for x in ("enc", "sample", "decode") for i in range(8))
+    assert [s.step.model for s in p.steps if isinstance(s.step, Load)] == ["te", "dit", "vae"]
+
+
+def test_finish_early_moves_only_nodes_whose_descendants_need_no_other_model():
+    """The pass alone, on a hand-made order (graph/early.py): a decode joins the resident transformer only when every
+    node left that uses those models still fits; a sampler (its decode needs the VAE) never moves; a save (no model,
+    nothing after it) follows its decode.
+
+        enc0 ──► sample0 ──► decode0 ──► save0
+        enc1 ──► sample1 ──► decode1 ──► save1
+    """
+    from vramgraph.graph.early import finish_early
+
+    dag, costs = chains(2)
+    for i in range(2):
+        dag.add_edge(f"decode{i}", f"save{i}")
+        costs[f"save{i}"] = NodeCost(f"save{i}", "SaveImage", (Variant("host", (), 0, 0.0),))
+    prov = {n: c.variants[0] for n, c in costs.items()}
+    grouped = ["enc0", "enc1", "sample0", "sample1", "decode0", "save0", "decode1", "save1"]
+    w = {k: m.nbytes for k, m in MODELS.items()}
+    assert finish_early(grouped, dag, prov, w, card(12).gpu) == [
+        "enc0", "enc1", "sample0", "decode0", "save0", "sample1", "decode1", "save1"]
+    tight = gib(9.5)  # the decode (0.09 + 2.38 GiB) does not fit beside the transformer (7.22 GiB)
+    assert finish_early(grouped, dag, prov, w, tight) == grouped
+    assert finish_early(grouped, dag, prov, w, gib(100)) == [
+        "enc0", "enc1", "sample0", "decode0", "save0", "sample1", "decode1", "save1"]
 
 
 def test_queue_host_ram_limits_grouping():
@@ -299,10 +347,10 @@ def test_queue_host_ram_limits_grouping():
     """
     dag, costs = chains(3)
     p = plan(dag, costs, MODELS, Budget(card(12).gpu, 20 * MiB))
-    assert p.order == ("enc0", "enc1", "sample0", "sample1", "decode0", "decode1", "enc2", "sample2", "decode2")
+    assert p.order == ("enc0", "enc1", "sample0", "decode0", "sample1", "decode1", "enc2", "sample2", "decode2")
     assert steps(p) == [Load("te", "file"), Run("enc0", "gpu"), Run("enc1", "gpu"), Unload("te", "drop"),
-                        Load("dit", "file"), Run("sample0", "gpu"), Run("sample1", "gpu"), Load("vae", "file"),
-                        Run("decode0", "gpu"), Run("decode1", "gpu"), Unload("dit", "drop"), Load("te", "file"),
+                        Load("dit", "file"), Run("sample0", "gpu"), Load("vae", "file"), Run("decode0", "gpu"),
+                        Run("sample1", "gpu"), Run("decode1", "gpu"), Unload("dit", "drop"), Load("te", "file"),
                         Run("enc2", "gpu"), Unload("te", "drop"), Load("dit", "file"), Run("sample2", "gpu"),
                         Run("decode2", "gpu")]
 

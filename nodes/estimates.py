@@ -28,7 +28,8 @@ DIT_PER_TOKEN = 21.17
 DIT_FIXED = 1431.0
 # Qwen3 encoder: bytes per (batch * token * hidden * itemsize), 512 tokens
 TE_PER_TOKEN = 17.1
-# VAE: bytes per (pixel * channels[0] * itemsize) plus a fixed part; decode per output pixel, encode per input pixel
+# VAE: bytes per (pixel * width * itemsize) plus a fixed part, width the full-resolution level's channels (decoder's
+# for decode, encoder's for encode); decode per output pixel, encode per input pixel
 VAE_DECODE_PER_PIXEL, VAE_DECODE_FIXED = 9.512, 1.531e6
 VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.069, 7.161e5
 # Tiled decode: tiles of TILE latent cells with TILE_OVERLAP cells on each side; the fp32 canvas and its
@@ -135,7 +136,15 @@ def _param_scale(model: ModelInfo) -> float:
     return model.nbytes / (7.219 * GiB) if model.nbytes else 1.0
 
 
+# The VAE's activation scales with the width of its full-resolution level: the decode's peak is at the last up
+# levels, where every tensor is (pixels x width), and the small decoder narrows every level by the same factor
+# (96/128 = 192/256 = 384/512 = 0.75), so its decode needs 0.75x the activation (1.33x less; BFL's card: ~1.4x less
+# VRAM at decode). Decode takes the decoder's width, encode the encoder's (the small decoder's encoder is unchanged).
 def _decoder_width(model: ModelInfo) -> int:
+    return model.config.decoder_widths[0] if model.config is not None else 128
+
+
+def _encoder_width(model: ModelInfo) -> int:
     return model.config.channels[0] if model.config is not None else 128
 
 
@@ -161,5 +170,5 @@ def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Variant, ...]:
 def vae_encode(model: ModelInfo, batch: int, height: int, width: int) -> Variant:
     item = _itemsize(model.dtype)
     pixels = batch * height * width
-    act = vae_bytes(pixels, _decoder_width(model), item, VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED)
+    act = vae_bytes(pixels, _encoder_width(model), item, VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED)
     return Variant("gpu", (model.key,), _margin(act), VAE_ENCODE_SECONDS_PER_MPIXEL * pixels / 1e6)

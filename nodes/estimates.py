@@ -120,15 +120,40 @@ def sampler_tokens(latent: LatentInfo, positive: CondInfo) -> int:
     return latent.height * latent.width + positive.tokens + sum(h * w for h, w in positive.refs)
 
 
+def kv_cache_bytes(batch: int, ref_tokens: int, hidden: int, blocks: int, item: int) -> int:
+    """FluxKVCache's cache: a key and a value row (hidden wide) per reference token, image in the batch and block."""
+    return 2 * blocks * batch * ref_tokens * hidden * item
+
+
+def kv_sampling_bytes(batch: int, tokens: int, ref_tokens: int, hidden: int, blocks: int, item: int
+                      ) -> tuple[float, float]:
+    """(first step, every later step) of a FluxKVCache sampler: the first runs over every token and fills the cache
+    (whole by its last block); the later ones run without the reference tokens (a smaller activation, their keys and
+    values joined to each block's as 2 rows per reference token) but hold the cache throughout."""
+    cache = kv_cache_bytes(batch, ref_tokens, hidden, blocks, item)
+    first = sampling_bytes(batch, tokens, hidden, item) + cache
+    later = sampling_bytes(batch, tokens - ref_tokens, hidden, item) + 2 * batch * ref_tokens * hidden * item + cache
+    return first, later
+
+
 def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch: int, steps: int) -> Variant:
-    """All steps of the sampler: the peak of one step (steps run one after another)."""
-    hidden = model.config.hidden if model.config is not None else 3072
+    """All steps of the sampler: the peak of one step (steps run one after another). A model patched by FluxKVCache
+    with references: the larger of its first and later steps (kv_sampling_bytes), and later steps are faster."""
+    cfg = model.config
+    hidden = cfg.hidden if cfg is not None else 3072
     item = _itemsize(model.dtype)
     tokens = sampler_tokens(latent, positive)
     batch = latent.batch * cfg_batch
-    act = sampling_bytes(batch, tokens, hidden, item)
+    ref = sum(h * w for h, w in positive.refs)
+    if model.kv_cache and ref:
+        blocks = cfg.depth_double + cfg.depth_single if cfg is not None else 25
+        act = max(kv_sampling_bytes(batch, tokens, ref, hidden, blocks, item))
+        step_tokens = tokens + (steps - 1) * (tokens - ref)
+    else:
+        act = sampling_bytes(batch, tokens, hidden, item)
+        step_tokens = tokens * steps
     act += 2 * latent.batch * latent.height * latent.width * latent.channels * 4  # step preview: x0 and its RGB
-    seconds = DIT_SECONDS_PER_TOKEN_STEP * tokens * batch * steps * _param_scale(model)
+    seconds = DIT_SECONDS_PER_TOKEN_STEP * step_tokens * batch * _param_scale(model)
     return Variant("gpu", (model.key,), _margin(act), seconds)
 
 

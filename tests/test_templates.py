@@ -25,8 +25,10 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from conftest import INPUT_IMAGES
 from PIL import Image
 from vramgraph.cli import main
+from vramgraph.nodes import estimates
 
 CORE_T2I = {"UNETLoader", "CLIPLoader", "VAELoader", "CLIPTextEncode", "CFGGuider", "KSamplerSelect",
             "Flux2Scheduler", "RandomNoise", "EmptyFlux2LatentImage", "SamplerCustomAdvanced", "VAEDecode",
@@ -249,3 +251,14 @@ def test_plan_at_full_size_from_headers(name: str, full_size_models: Path, input
     assert (tmp_path / "plan.svg").read_text().startswith("<svg")
     runs = {s["node"]: s for s in plan["steps"] if s["kind"] == "run"}
     assert len(runs) == sum(TEMPLATES[name][1].values())
+    if "kv" in name:  # SamplerCustomAdvanced (node 123): step 0 over every token plus the K/V cache of both references
+        sampler = runs["123"]
+        act = sampler["gpu_bytes"] - sum(plan["models"][m]["nbytes"] for m in sampler["resident"])
+        # man_in_street.png (the target's size too) and safari_outfit.png, each scaled to 1 MP
+        (w1, h1), (w2, h2) = (estimates.scaled_size(*INPUT_IMAGES[f], 1.0) for f in ("man_in_street.png",
+                                                                                    "safari_outfit.png"))
+        ref = (h1 // 16) * (w1 // 16) + (h2 // 16) * (w2 // 16)
+        step0 = estimates.sampling_bytes(1, 512 + (h1 // 16) * (w1 // 16) + ref, 4096, 2)
+        cache = estimates.kv_cache_bytes(1, ref, 4096, 32, 2)
+        assert cache > 3.9 * GiB
+        assert act == pytest.approx(estimates.MARGIN * (step0 + cache), rel=0.01)  # (+ the step preview)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -126,14 +127,75 @@ class MLP(nn.Sequential):
 
 
 def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Unmasked attention over all tokens of (B, S, H, D) tensors; returns (B, S, H*D)."""
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    """Unmasked attention over all tokens of (B, S, H, D) tensors; returns (B, S_q, H*D).
+
+    k and v may be longer than q (cached reference keys appended): q takes the first rows of the rotary table, k all.
+    """
+    q, k = apply_rope(q, rope[:q.shape[1]]), apply_rope(k, rope[:k.shape[1]])
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2).flatten(2)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), eps=eps) * (1 + scale) + shift
+
+
+# Modulation vectors per token span: ((first token, vectors), ...) in token order, each span running to the next.
+# Plain sampling has one span; FluxKVCache's first step gives the reference tokens the t=0 vectors.
+Spans = tuple[tuple[int, tuple[torch.Tensor, ...]], ...]
+
+
+def _parts(spans: Spans, n: int) -> list[tuple[int, int, tuple[torch.Tensor, ...]]]:
+    ends = [a for a, _ in spans[1:]] + [n]
+    return [(a, min(b, n), m) for (a, m), b in zip(spans, ends, strict=True) if a < min(b, n)]
+
+
+def adaln(x: torch.Tensor, spans: Spans, shift: int, eps: float) -> torch.Tensor:
+    """AdaLN of x (B, S, H) with each span's (shift, scale) = vectors[shift], vectors[shift + 1]."""
+    if len(spans) == 1:
+        m = spans[0][1]
+        return modulate(x, m[shift], m[shift + 1], eps)
+    return torch.cat([modulate(x[:, a:b], m[shift], m[shift + 1], eps) for a, b, m in _parts(spans, x.shape[1])], 1)
+
+
+def gated(x: torch.Tensor, spans: Spans, gate: int, y: torch.Tensor) -> torch.Tensor:
+    """The gated residual x + vectors[gate] * y, per span."""
+    if len(spans) == 1:
+        return x + spans[0][1][gate] * y
+    return torch.cat([x[:, a:b] + m[gate] * y[:, a:b] for a, b, m in _parts(spans, x.shape[1])], 1)
+
+
+@dataclass
+class RefKV:
+    """ComfyUI's FluxKVCache: the reference tokens' keys and values of every block, cached by the first forward that
+    has references and used by every later forward, whose input then holds the target tokens only.
+
+    As ComfyUI caches them: after the q/k norm and before RoPE (the rotary table still holds the references' positions,
+    so they are rotated with their own positions each step, as if they were still in the sequence). One per sampling
+    run; `nbytes` is what it holds on the GPU.
+    """
+
+    double: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    single: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    filling: bool = False
+
+    @property
+    def filled(self) -> bool:
+        return bool(self.double or self.single) and not self.filling
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self.double + self.single for t in kv)
+
+    def take(self, store: list, k: torch.Tensor, v: torch.Tensor, n_ref: int, i: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block i's keys and values: while filling, cache the last n_ref rows (copies, so the step's activations
+        are freed) and return k, v; once filled, return them with block i's cached rows appended."""
+        if self.filling:
+            store.append((k[:, -n_ref:].clone(), v[:, -n_ref:].clone()))
+            return k, v
+        kr, vr = store[i]
+        return torch.cat([k, kr], 1), torch.cat([v, vr], 1)
 
 
 class DoubleBlock(nn.Module):
@@ -147,17 +209,22 @@ class DoubleBlock(nn.Module):
         self.img_mlp = MLP(cfg)
         self.txt_mlp = MLP(cfg)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, mod_img: tuple[torch.Tensor, ...],
-                mod_txt: tuple[torch.Tensor, ...], rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = mod_img
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, mod_img: Spans, mod_txt: tuple[torch.Tensor, ...],
+                rope: torch.Tensor, kv: RefKV | None = None, n_ref: int = 0, index: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mod_img: the image stream's modulation spans; kv (with n_ref reference tokens at the end of img while it
+        fills): the reference keys and values of block `index`."""
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = mod_txt
-        iq, ik, iv = self.img_attn.qkv_heads(modulate(img, i_shift1, i_scale1, self.eps))
+        iq, ik, iv = self.img_attn.qkv_heads(adaln(img, mod_img, 0, self.eps))
         tq, tk, tv = self.txt_attn.qkv_heads(modulate(txt, t_shift1, t_scale1, self.eps))
         n_txt = txt.shape[1]
-        attn = joint_attention(torch.cat([tq, iq], 1), torch.cat([tk, ik], 1), torch.cat([tv, iv], 1), rope)
-        img = img + i_gate1 * self.img_attn.proj(attn[:, n_txt:])
+        k, v = torch.cat([tk, ik], 1), torch.cat([tv, iv], 1)
+        if kv is not None:
+            k, v = kv.take(kv.double, k, v, n_ref, index)
+        attn = joint_attention(torch.cat([tq, iq], 1), k, v, rope)
+        img = gated(img, mod_img, 2, self.img_attn.proj(attn[:, n_txt:]))
         txt = txt + t_gate1 * self.txt_attn.proj(attn[:, :n_txt])
-        img = img + i_gate2 * self.img_mlp(modulate(img, i_shift2, i_scale2, self.eps))
+        img = gated(img, mod_img, 5, self.img_mlp(adaln(img, mod_img, 3, self.eps)))
         txt = txt + t_gate2 * self.txt_mlp(modulate(txt, t_shift2, t_scale2, self.eps))
         return img, txt
 
@@ -175,15 +242,16 @@ class SingleBlock(nn.Module):
         self.linear2 = nn.Linear(cfg.hidden + cfg.mlp_hidden, cfg.hidden, bias=False)
         self.norm = QKNorm(cfg.head_dim, cfg.eps)
 
-    def forward(self, x: torch.Tensor, mod: tuple[torch.Tensor, ...], rope: torch.Tensor) -> torch.Tensor:
-        shift, scale, gate = mod
-        qkv, gate_up = self.linear1(modulate(x, shift, scale, self.eps)).split(
-            [3 * self.hidden, 2 * self.mlp_hidden], dim=-1)
+    def forward(self, x: torch.Tensor, mod: Spans, rope: torch.Tensor, kv: RefKV | None = None, n_ref: int = 0,
+                index: int = 0) -> torch.Tensor:
+        qkv, gate_up = self.linear1(adaln(x, mod, 0, self.eps)).split([3 * self.hidden, 2 * self.mlp_hidden], dim=-1)
         q, k, v = qkv.unflatten(-1, (3, self.heads, -1)).unbind(2)
         q, k = self.norm.query_norm(q), self.norm.key_norm(k)
+        if kv is not None:
+            k, v = kv.take(kv.single, k, v, n_ref, index)
         attn = joint_attention(q, k, v, rope)
         a, b = gate_up.chunk(2, dim=-1)
-        return x + gate * self.linear2(torch.cat([attn, F.silu(a) * b], dim=-1))
+        return gated(x, mod, 2, self.linear2(torch.cat([attn, F.silu(a) * b], dim=-1)))
 
 
 class Modulation(nn.Module):
@@ -238,29 +306,52 @@ class Flux2Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return getattr(self.img_in, "compute_dtype", self.img_in.weight.dtype)  # an fp8 layer says what it computes in
 
+    def _vec(self, sigma: torch.Tensor) -> torch.Tensor:
+        # The references feed the model 1000*sigma rounded through the model dtype.
+        s = sigma.to(self.dtype) * 1000
+        return self.time_in(timestep_embedding(s, self.cfg.time_dim).to(self.dtype))
+
     def forward(self, img: torch.Tensor, txt: torch.Tensor, sigma: torch.Tensor, rope: torch.Tensor,
-                n_target: int | None = None) -> torch.Tensor:
+                n_target: int | None = None, kv: RefKV | None = None) -> torch.Tensor:
         """Velocity for the first `n_target` image tokens.
 
         img: (B, N, in_channels) packed tokens, target first then references; txt: (B, T, context_dim);
-        sigma: (B,) noise levels in [0, 1]; rope: `rope_table` of [text ids; image ids] (T + N rows).
+        sigma: (B,) noise levels in [0, 1]; rope: `rope_table` of [text ids; image ids] (T + N rows, the references'
+        rows included also when kv holds them instead of img).
+
+        kv (ComfyUI's FluxKVCache): while empty, a forward with references (img longer than n_target) modulates the
+        reference tokens with the t=0 embedding (text and target tokens with sigma's), attends over all tokens
+        unmasked, and caches the references' keys and values of every block; once filled, img holds the n_target
+        target tokens only and every block attends over [text, target] plus the cached reference keys.
         """
-        dt = self.dtype
         n_target = img.shape[1] if n_target is None else n_target
-        # The references feed the model 1000*sigma rounded through the model dtype.
-        s = sigma.to(dt) * 1000
-        vec = self.time_in(timestep_embedding(s, self.cfg.time_dim).to(dt))
+        n_ref = img.shape[1] - n_target
+        if kv is not None and kv.filled and n_ref:
+            raise ValueError("this forward's references are in its RefKV cache already; pass the target tokens only")
+        if kv is not None and not kv.filled and not n_ref:
+            kv = None  # nothing to cache (ComfyUI's patch does nothing without references)
+        vec = self._vec(sigma)
         mod_img = self.double_stream_modulation_img(vec)
         mod_txt = self.double_stream_modulation_txt(vec)
         mod_single = self.single_stream_modulation(vec)
-        x = self.img_in(img.to(dt))
-        c = self.txt_in(txt.to(dt))
-        for block in self.double_blocks:
-            x, c = block(x, c, mod_img, mod_txt, rope)
-        n_txt = c.shape[1]
+        spans_img: Spans = ((0, mod_img),)
+        spans_single: Spans = ((0, mod_single),)
+        n_txt = txt.shape[1]
+        if kv is not None and n_ref:  # the first step: references at t=0, their K/V cached
+            vec0 = self._vec(torch.zeros_like(sigma))
+            spans_img = ((0, mod_img), (n_target, self.double_stream_modulation_img(vec0)))
+            spans_single = ((0, mod_single), (n_txt + n_target, self.single_stream_modulation(vec0)))
+            kv.filling = True
+        x = self.img_in(img.to(self.dtype))
+        c = self.txt_in(txt.to(self.dtype))
+        for i, block in enumerate(self.double_blocks):
+            x, c = block(x, c, spans_img, mod_txt, rope, kv, n_ref, i)
         h = torch.cat([c, x], dim=1)
-        for block in self.single_blocks:
-            h = block(h, mod_single, rope)
+        del x, c
+        for i, block in enumerate(self.single_blocks):
+            h = block(h, spans_single, rope, kv, n_ref, i)
+        if kv is not None:
+            kv.filling = False
         return self.final_layer(h[:, n_txt:n_txt + n_target], vec)
 
 

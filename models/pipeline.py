@@ -58,12 +58,14 @@ def encode_references(models: Flux2Models, images: Sequence[Image.Image]) -> lis
 @torch.no_grad()
 def generate(models: Flux2Models, prompt: str | Sequence[str], *, width: int = 1024, height: int = 1024,
              seed: int = 0, steps: int | None = None, guidance: float | None = None, negative: str = "",
-             references: Sequence[Image.Image] = (), progress: Progress | None = None) -> torch.Tensor:
+             references: Sequence[Image.Image] = (), progress: Progress | None = None,
+             kv_cache: bool = False) -> torch.Tensor:
     """Pixels (B, 3, height, width) in about [-1, 1] for one or several prompts (one image each).
 
     Distilled models default to 4 steps without guidance; base models to 50 steps with classifier-
     free guidance 4.0 against `negative`. With references the model edits/combines them; the output
-    size is still `width` x `height`.
+    size is still `width` x `height`. kv_cache: the references' keys and values cached on the first step, as
+    ComfyUI's FluxKVCache does for klein-9B-kv (models.sampling.sample).
     """
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     steps = steps if steps is not None else (DISTILLED_STEPS if models.distilled else BASE_STEPS)
@@ -74,6 +76,6 @@ def generate(models: Flux2Models, prompt: str | Sequence[str], *, width: int = 1
     refs = pack_references(encode_references(models, references)) if references else None
     start = noise(seed, len(prompts), h, w)
     latent = sample(models.transformer, start, context, sigmas(steps, h * w), negative=neg, guidance=guidance,
-                    references=refs, progress=progress)
+                    references=refs, progress=progress, kv_cache=kv_cache)
     v = next(models.vae.parameters())
     return models.vae.decode(latent.to(v.device, v.dtype))

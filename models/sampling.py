@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from .flux2 import Flux2Transformer, image_ids, rope_table, text_ids
+from .flux2 import Flux2Transformer, RefKV, image_ids, rope_table, text_ids
 
 # Empirical fit of the schedule's shift mu to the target token count and step count (BFL flux2).
 MU_A1, MU_B1 = 8.73809524e-05, 1.89833333
@@ -136,7 +136,7 @@ Progress = Callable[[int, int], None]
 def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor, sigma_list: Sequence[float], *,
            negative: torch.Tensor | None = None, guidance: float = 1.0, references: References | None = None,
            progress: Progress | None = None,
-           preview: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
+           preview: Callable[[torch.Tensor, int, int], None] | None = None, kv_cache: bool = False) -> torch.Tensor:
     """Euler integration of the flow from sigma_list[0] to sigma_list[-1].
 
     latent: (B, 128, h, w) noise (times sigma_list[0]) in the normalised space, any device;
@@ -145,6 +145,9 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
     conditional and unconditional passes run as one batch. Returns the final latent, fp32, on the
     model's device. `preview(x0, step, steps)`, if given, receives each step's denoised estimate
     x - sigma * v as a (B, 128, h, w) latent on the model's device.
+
+    kv_cache (ComfyUI's FluxKVCache, for klein-9B-kv): the first step runs with the references, modulated at t=0, and
+    caches their keys and values (`RefKV`); every later step runs on the target tokens alone against that cache.
     """
     device = model.img_in.weight.device
     h, w = latent.shape[2:]
@@ -163,16 +166,17 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
     ref_tokens = None
     if references is not None:
         ref_tokens = references.tokens.to(device, model.dtype).expand(ctx.shape[0], -1, -1)
+    kv = RefKV() if kv_cache and ref_tokens is not None else None
     steps = len(sigma_list) - 1
     for i in range(steps):
         s, s_next = sigma_list[i], sigma_list[i + 1]
         inp = x.to(model.dtype)
         if cfg_on:
             inp = torch.cat([inp, inp], 0)
-        if ref_tokens is not None:
+        if ref_tokens is not None and (kv is None or not kv.filled):
             inp = torch.cat([inp, ref_tokens], 1)
         sig = torch.full((inp.shape[0],), s, device=device, dtype=torch.float32)
-        v = model(inp, ctx, sig, rope, n).float()
+        v = (model(inp, ctx, sig, rope, n) if kv is None else model(inp, ctx, sig, rope, n, kv)).float()
         if cfg_on:
             c, u = v.chunk(2)
             v = u + guidance * (c - u)

@@ -21,17 +21,22 @@ TINY_QWEN3 = dataclasses.replace(Qwen3Config(), hidden_size=64, intermediate_siz
 TINY_TRANSFORMER = dataclasses.replace(KLEIN_4B, hidden=256, heads=2, depth_double=1, depth_single=2,
                                        context_dim=TINY_QWEN3.out_dim)
 TINY_VAE = dataclasses.replace(VAEConfig(), channels=(32, 32, 64, 64), layers_per_block=1)
+# A tiny FLUX.2 small decoder (full_encoder_small_decoder.safetensors): a decoder narrower than its encoder by one
+# factor per level, as ComfyUI derives it from the header. The GroupNorm's 32 groups need widths in multiples of 32,
+# so the tiny encoder is twice TINY_VAE's and the decoder half of it (the real one: 0.75, 96 against 128).
+TINY_SMALL_DECODER_VAE = dataclasses.replace(TINY_VAE, channels=(64, 64, 128, 128), decoder_channels=(32, 32, 64, 64))
 
 
 TINY_NAMES = {"transformer": "flux-2-klein-tiny.safetensors", "text_encoder": "qwen3-tiny.safetensors",
-              "vae": "flux2-vae-tiny.safetensors"}
+              "vae": "flux2-vae-tiny.safetensors", "small_decoder": []}
 
 
 def write_tiny_models(models: Path, seed: int = 0, names: dict[str, str | list[str]] | None = None,
                       quantize: dict[str, dict[str, Any]] | None = None) -> Path:
     """A ComfyUI-style models/ folder holding tiny random-weight checkpoints; returns it.
 
-    `names` gives the file name(s) per component ("transformer", "text_encoder", "vae"), so that a
+    `names` gives the file name(s) per component ("transformer", "text_encoder", "vae", and "small_decoder": VAEs
+    with a narrower decoder, written into vae/ like the others; none unless named), so that a
     workflow's file names can be served by tiny models. `quantize` maps a file name to `quantize_fp8`'s
     keyword arguments: that file is written in fp8 the way ComfyUI stores it (e.g.
     `{"flux-2-klein-4b-fp8.safetensors": {}, "qwen_3_8b_fp8mixed.safetensors": {"marking": "comfy_quant",
@@ -51,6 +56,7 @@ def write_tiny_models(models: Path, seed: int = 0, names: dict[str, str | list[s
         "transformer": ("diffusion_models", Flux2Transformer(TINY_TRANSFORMER).state_dict()),
         "text_encoder": ("text_encoders", {"model." + k: v for k, v in Qwen3Encoder(TINY_QWEN3).state_dict().items()}),
         "vae": ("vae", Flux2VAE(TINY_VAE).state_dict()),
+        "small_decoder": ("vae", Flux2VAE(TINY_SMALL_DECODER_VAE).state_dict()),
     }
     parts = {}
     for kind, (folder, sd) in weights.items():

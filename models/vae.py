@@ -170,7 +170,7 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: VAEConfig) -> None:
         super().__init__()
-        ch = cfg.channels
+        ch = cfg.decoder_widths  # the small decoder's are narrower than the encoder's
         self.post_quant_conv = nn.Conv2d(cfg.latent_channels, cfg.latent_channels, 1)
         self.conv_in = nn.Conv2d(cfg.latent_channels, ch[-1], 3, padding=1)
         self.mid = MidBlock(ch[-1], cfg.norm_groups, cfg.eps)

@@ -22,12 +22,20 @@ class VAEConfig:
     in_channels: int = 3
     out_channels: int = 3
     channels: tuple[int, ...] = (128, 256, 512, 512)  # per level, highest resolution first
+    # The decoder's widths per level when they differ from `channels` (the encoder's): the FLUX.2 small decoder
+    # (full_encoder_small_decoder.safetensors) has (96, 192, 384, 384). Empty: the same as the encoder.
+    decoder_channels: tuple[int, ...] = ()
     layers_per_block: int = 2  # resnets per encoder level; the decoder has one more per level
     latent_channels: int = 32
     norm_groups: int = 32
     eps: float = 1e-6
     bn_eps: float = 1e-4
     patch: int = 2
+
+    @property
+    def decoder_widths(self) -> tuple[int, ...]:
+        """The decoder's per-level widths, highest resolution first."""
+        return self.decoder_channels or self.channels
 
     @property
     def packed_channels(self) -> int:
@@ -37,6 +45,11 @@ class VAEConfig:
     def downscale(self) -> int:
         """Pixels per packed-latent cell along one side (16 for FLUX.2)."""
         return 2 ** (len(self.channels) - 1) * self.patch
+
+
+# The FLUX.2 small decoder (BFL's FLUX.2-small-decoder, full_encoder_small_decoder.safetensors): the encoder unchanged,
+# a distilled decoder 0.75x as wide at every level (27.9 M parameters against 49.6 M).
+SMALL_DECODER = VAEConfig(decoder_channels=(96, 192, 384, 384))
 
 
 def _check_parts(parts: Iterable[str]) -> tuple[str, ...]:
@@ -105,10 +118,15 @@ def config_from_checkpoint(infos: Mapping[str, TensorInfo]) -> VAEConfig:
             latent.add(s[0] // 2)
     if found["decoder"]:
         ch, n = _levels(found["decoder"], "decoder")
-        if "channels" in fields and (fields["channels"], fields["layers_per_block"]) != (ch, n - 1):
-            raise CheckpointError(f"FLUX.2 VAE: encoder levels {fields['channels']} x {fields['layers_per_block']} "
-                                  f"do not match decoder levels {ch} x {n - 1} (+1) resnets")
-        fields["channels"], fields["layers_per_block"] = ch, n - 1
+        if "channels" in fields:
+            enc = fields["channels"]
+            if (len(enc), fields["layers_per_block"]) != (len(ch), n - 1):
+                raise CheckpointError(f"FLUX.2 VAE: encoder levels {enc} x {fields['layers_per_block']} "
+                                      f"do not match decoder levels {ch} x {n - 1} (+1) resnets")
+            if ch != enc:
+                fields["decoder_channels"] = _narrow_decoder(enc, ch, shape("decoder.conv_in.weight"))
+        else:
+            fields["channels"], fields["layers_per_block"] = ch, n - 1
         if (s := shape("decoder.conv_out.weight")) is not None:
             fields["out_channels"] = s[0]
         if (s := shape("decoder.conv_in.weight")) is not None:
@@ -125,6 +143,20 @@ def config_from_checkpoint(infos: Mapping[str, TensorInfo]) -> VAEConfig:
     if patch * patch * lc != bn[0]:
         raise CheckpointError(f"FLUX.2 VAE: bn.running_mean has {bn[0]} channels, not a square multiple of {lc}")
     return VAEConfig(latent_channels=lc, patch=patch, **fields)  # type: ignore[arg-type]
+
+
+def _narrow_decoder(enc: tuple[int, ...], dec: tuple[int, ...], conv_in: tuple[int, ...] | None) -> tuple[int, ...]:
+    """A decoder narrower (or wider) than its encoder, as the FLUX.2 small decoder: accepted when its widths are the
+    encoder's level multipliers times one base width, the base width being ComfyUI's rule
+    `decoder.conv_in.weight.shape[0] // ch_mult[-1]` (384 // 4 = 96 for the small decoder)."""
+    base = enc[0]
+    mult = [c // base for c in enc]
+    ok = conv_in is not None and all(c == m * base for c, m in zip(enc, mult, strict=True))
+    ch = conv_in[0] // mult[-1] if ok and conv_in is not None else 0
+    if not ok or dec != tuple(ch * m for m in mult):
+        raise CheckpointError(f"FLUX.2 VAE: decoder levels {dec} are not the encoder's level multipliers {tuple(mult)} "
+                              f"times one width (encoder levels {enc}); not a FLUX.2 VAE or small decoder")
+    return dec
 
 
 _ATTN = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
@@ -203,6 +235,7 @@ def parameter_shapes(cfg: VAEConfig, parts: Iterable[str] = PARTS) -> dict[str, 
         out |= _mid("encoder.mid.", ch[-1]) | _norm("encoder.norm_out", ch[-1])
         out |= _conv("encoder.conv_out", ch[-1], 2 * lc, 3) | _conv("encoder.quant_conv", 2 * lc, 2 * lc, 1)
     if "decoder" in parts:
+        ch = cfg.decoder_widths
         out |= _conv("decoder.post_quant_conv", lc, lc, 1) | _conv("decoder.conv_in", lc, ch[-1], 3)
         out |= _mid("decoder.mid.", ch[-1])
         for i in range(n):

@@ -6,7 +6,8 @@ holds its measured "bytes" (torch.cuda.max_memory_allocated above the resident w
 (square images, pixels) or "height"/"width", "batch" (images; the sampler's cfg > 1 doubles it), "tokens"
 (sampler: image + text + reference tokens; text encode: the padded prompt, 512), "dtype" (compute dtype, "bf16"
 unless given), "hidden" (the model's width: 2560 for the Qwen3 encoder, 3072 for the transformer unless given)
-and "decoder_width" (the VAE's first level's channels, 128 unless given). The fit is ordinary least squares of each
+and "decoder_width" (the VAE's full-resolution level's channels, 128 unless given: the decoder's for a decode, the
+encoder's for an encode; the small decoder's is 96). The fit is ordinary least squares of each
 formula, linear in its constants:
 
     text encode   bytes = TE_FIXED_<dtype> + TE_PER_TOKEN_<dtype> * batch * tokens * hidden * item   (bf16, fp32 apart)

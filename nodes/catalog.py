@@ -27,13 +27,14 @@ LABELS = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "
 
 
 def builtin_config(kind: str, name: str) -> Any:
-    """The built-in spec a file name stands for when the file is absent: klein-9B's parts by name, else 4B's."""
+    """The built-in spec a file name stands for when the file is absent: klein-9B's parts by name, else 4B's; the
+    small decoder by its name (full_encoder_small_decoder)."""
     big = "9b" in name.lower() or "8b" in name.lower()
     if kind == "transformer":
         return flux2_config.KLEIN_9B if big else flux2_config.KLEIN_4B
     if kind == "text_encoder":
         return qwen3_config.QWEN3_8B if big else qwen3_config.Qwen3Config()
-    return vae_config.VAEConfig()
+    return vae_config.SMALL_DECODER if "small_decoder" in name.lower() else vae_config.VAEConfig()
 
 
 def builtin_params(kind: str, config: Any) -> int:

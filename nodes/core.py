@@ -8,6 +8,7 @@ outputs and cost ahead of time, from input infos.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +93,27 @@ class UNETLoader:
     def load_unet(self, unet_name: str, weight_dtype: str = "default", vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
         return (ModelHandle(vg.model_info("transformer", unet_name)),)
+
+
+class FluxKVCache:
+    """ComfyUI's FluxKVCache (for klein-9B-kv): the same model, patched so that a sampler with reference latents
+    modulates the references at t=0, caches their keys and values on the first step and samples every later step on
+    the target tokens alone (models.flux2.RefKV). Without references it changes nothing."""
+
+    CATEGORY = ""
+    RETURN_TYPES = (MODEL,)
+    FUNCTION = "execute"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"model": (MODEL, {"tooltip": "The model to use KV Cache on."})}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, model: ModelInfo) -> Cost:
+        return Cost((dataclasses.replace(model, kv_cache=True),))
+
+    def execute(self, model: ModelHandle) -> tuple:
+        return (dataclasses.replace(model, info=dataclasses.replace(model.info, kv_cache=True)),)
 
 
 class CLIPLoader:
@@ -337,7 +359,8 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
                              "(apply the same ReferenceLatent nodes to both) when cfg != 1")
     sigmas = torch.tensor(sigmas, dtype=torch.float32).tolist()  # float32 as ComfyUI's SIGMAS, whichever node made them
     out = ops.run_sampler(vg.module(model), noise.generate_noise(latent), latent["samples"], pos, neg, cfg,
-                          sigmas, refs, progress=vg.progress, preview=getattr(vg, "preview", None))
+                          sigmas, refs, progress=vg.progress, preview=getattr(vg, "preview", None),
+                          kv_cache=model.info.kv_cache)
     return {"samples": out}
 
 

@@ -32,7 +32,8 @@ DIT_FIXED = 1431.0
 # 2-byte compute (fp16, fp8-stored weights).
 TE_FIXED_BF16, TE_PER_TOKEN_BF16 = 6.868e7, 4.103
 TE_FIXED_FP32, TE_PER_TOKEN_FP32 = 7.078e6, 15.85
-# VAE: bytes per (pixel * channels[0] * itemsize) plus a fixed part; decode per output pixel, encode per input pixel
+# VAE: bytes per (pixel * width * itemsize) plus a fixed part, width the full-resolution level's channels (decoder's
+# for decode, encoder's for encode); decode per output pixel, encode per input pixel
 VAE_DECODE_PER_PIXEL, VAE_DECODE_FIXED = 9.512, 1.531e6
 VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.069, 7.161e5
 # Tiled decode: tiles of TILE latent cells with TILE_OVERLAP cells on each side; the fp32 canvas and its
@@ -138,15 +139,40 @@ def sampler_tokens(latent: LatentInfo, positive: CondInfo) -> int:
     return latent.height * latent.width + positive.tokens + sum(h * w for h, w in positive.refs)
 
 
+def kv_cache_bytes(batch: int, ref_tokens: int, hidden: int, blocks: int, item: int) -> int:
+    """FluxKVCache's cache: a key and a value row (hidden wide) per reference token, image in the batch and block."""
+    return 2 * blocks * batch * ref_tokens * hidden * item
+
+
+def kv_sampling_bytes(batch: int, tokens: int, ref_tokens: int, hidden: int, blocks: int, item: int
+                      ) -> tuple[float, float]:
+    """(first step, every later step) of a FluxKVCache sampler: the first runs over every token and fills the cache
+    (whole by its last block); the later ones run without the reference tokens (a smaller activation, their keys and
+    values joined to each block's as 2 rows per reference token) but hold the cache throughout."""
+    cache = kv_cache_bytes(batch, ref_tokens, hidden, blocks, item)
+    first = sampling_bytes(batch, tokens, hidden, item) + cache
+    later = sampling_bytes(batch, tokens - ref_tokens, hidden, item) + 2 * batch * ref_tokens * hidden * item + cache
+    return first, later
+
+
 def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch: int, steps: int) -> Variant:
-    """All steps of the sampler: the peak of one step (steps run one after another)."""
-    hidden = model.config.hidden if model.config is not None else 3072
+    """All steps of the sampler: the peak of one step (steps run one after another). A model patched by FluxKVCache
+    with references: the larger of its first and later steps (kv_sampling_bytes), and later steps are faster."""
+    cfg = model.config
+    hidden = cfg.hidden if cfg is not None else 3072
     item = _itemsize(model.dtype)
     tokens = sampler_tokens(latent, positive)
     batch = latent.batch * cfg_batch
-    act = sampling_bytes(batch, tokens, hidden, item) + fp8_transient(model, item)
+    ref = sum(h * w for h, w in positive.refs)
+    if model.kv_cache and ref:
+        blocks = cfg.depth_double + cfg.depth_single if cfg is not None else 25
+        act = max(kv_sampling_bytes(batch, tokens, ref, hidden, blocks, item)) + fp8_transient(model, item)
+        step_tokens = tokens + (steps - 1) * (tokens - ref)
+    else:
+        act = sampling_bytes(batch, tokens, hidden, item) + fp8_transient(model, item)
+        step_tokens = tokens * steps
     act += 2 * latent.batch * latent.height * latent.width * latent.channels * 4  # step preview: x0 and its RGB
-    seconds = DIT_SECONDS_PER_TOKEN_STEP * tokens * batch * steps * _param_scale(model)
+    seconds = DIT_SECONDS_PER_TOKEN_STEP * step_tokens * batch * _param_scale(model)
     return Variant("gpu", (model.key,), _margin(act), seconds)
 
 
@@ -158,7 +184,15 @@ def _param_scale(model: ModelInfo) -> float:
     return model.nbytes / (7.219 * GiB) if model.nbytes else 1.0
 
 
+# The VAE's activation scales with the width of its full-resolution level: the decode's peak is at the last up
+# levels, where every tensor is (pixels x width), and the small decoder narrows every level by the same factor
+# (96/128 = 192/256 = 384/512 = 0.75), so its decode needs 0.75x the activation (1.33x less; BFL's card: ~1.4x less
+# VRAM at decode). Decode takes the decoder's width, encode the encoder's (the small decoder's encoder is unchanged).
 def _decoder_width(model: ModelInfo) -> int:
+    return model.config.decoder_widths[0] if model.config is not None else 128
+
+
+def _encoder_width(model: ModelInfo) -> int:
     return model.config.channels[0] if model.config is not None else 128
 
 
@@ -184,5 +218,5 @@ def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Variant, ...]:
 def vae_encode(model: ModelInfo, batch: int, height: int, width: int) -> Variant:
     item = _itemsize(model.dtype)
     pixels = batch * height * width
-    act = vae_bytes(pixels, _decoder_width(model), item, VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED)
+    act = vae_bytes(pixels, _encoder_width(model), item, VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED)
     return Variant("gpu", (model.key,), _margin(act), VAE_ENCODE_SECONDS_PER_MPIXEL * pixels / 1e6)

@@ -42,11 +42,13 @@ def encode_text_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, text
 def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tensor, positive: torch.Tensor,
                 negative: torch.Tensor | None, cfg: float, sigmas: list[float], references: list[torch.Tensor],
                 progress: Progress | None = None,
-                preview: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
+                preview: Callable[[torch.Tensor, int, int], None] | None = None,
+                kv_cache: bool = False) -> torch.Tensor:
     """Euler sampling as ComfyUI's SamplerCustomAdvanced does it; returns the final latent on the CPU.
 
     The start is sigma0 * noise + (1 - sigma0) * latent (ComfyUI's flow-model noise scaling), exactly
-    the noise for an empty latent and sigma0 = 1. cfg 1.0 skips the negative.
+    the noise for an empty latent and sigma0 = 1. cfg 1.0 skips the negative. kv_cache: a model patched by
+    FluxKVCache (the references' keys and values cached on the first step, see models.sampling.sample).
     """
     if len(sigmas) < 2:
         return latent.float().clone()
@@ -57,7 +59,7 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
     neg = _batched(negative, batch, "negative") if negative is not None and cfg != 1.0 else None
     refs = pack_references([r[:1] for r in references]) if references else None
     out = sample(model, start, pos, list(sigmas), negative=neg, guidance=cfg, references=refs, progress=progress,
-                 preview=preview)
+                 preview=preview, kv_cache=kv_cache)
     return out.cpu()
 
 

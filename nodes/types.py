@@ -67,6 +67,8 @@ class ModelInfo:
     dtype: str = "bf16"
     source: str = ""  # the file's (or folder's) identity when this info was read (files.identity): a replaced
     #                   file gives another info under the same key, so the engine reads the new weights
+    kv_cache: bool = False  # a transformer patched by FluxKVCache (same weights, same key; the sampler caches the
+    #                         references' keys and values on its first step)
 
 
 @dataclass(frozen=True)

@@ -21,20 +21,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ------------------------------------------------------------------------------------ shared fixtures
 # Tiny random-weight models and small input images for the end-to-end tests (engine, CLI, ComfyUI templates).
 
-# File names the shipped workflows and ComfyUI's FLUX.2 [klein] templates reference, all served by the same tiny
-# models. The fp8 names hold tiny fp32 weights: the real fp8 files are refused by our loader, so these stand in
-# for them only to run the templates unchanged. ALT_TRANSFORMER is a second transformer file (a different model to
-# the engine: another path) with the same weights.
+# File names the shipped workflows and ComfyUI's six FLUX.2 [klein] templates reference, all served by the same tiny
+# models (the 9B names too: tiny models have no size). The fp8 and fp8mixed names hold tiny fp32 weights until the
+# fp8 loader lands (issue 12, items 1-2): they stand in for them only to run the templates unchanged (tests/
+# test_templates.py FP8_STANDINS lists them). full_encoder_small_decoder is a real (tiny) small decoder: a narrower
+# decoder than its encoder. ALT_TRANSFORMER is a second transformer file (a different model to the engine: another
+# path) with the same weights.
 ALT_TRANSFORMER = "flux-2-klein-4b-alt.safetensors"
 TINY_MODEL_NAMES = {
     "transformer": ["flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors",
-                    "flux-2-klein-4b-fp8.safetensors", "flux-2-klein-base-4b-fp8.safetensors", ALT_TRANSFORMER],
-    "text_encoder": "qwen_3_4b.safetensors",
-    "vae": ["flux2-vae.safetensors", "full_encoder_small_decoder.safetensors"],
+                    "flux-2-klein-4b-fp8.safetensors", "flux-2-klein-base-4b-fp8.safetensors",
+                    "flux-2-klein-9b-fp8.safetensors", "flux-2-klein-base-9b-fp8.safetensors",
+                    "flux-2-klein-9b-kv-fp8.safetensors", ALT_TRANSFORMER],
+    "text_encoder": ["qwen_3_4b.safetensors", "qwen_3_8b_fp8mixed.safetensors"],
+    "vae": ["flux2-vae.safetensors"],
+    "small_decoder": ["full_encoder_small_decoder.safetensors"],
 }
 # Input images: the shipped edit workflows' references and the images ComfyUI's edit templates load.
 INPUT_IMAGES = {"reference.png": (80, 64), "reference_2.png": (64, 96), "handbag_white.png": (80, 64),
-                "comfy_logo_blue.png": (64, 64), "robed_women.png": (64, 80), "pink_tone_chair.png": (64, 64)}
+                "comfy_logo_blue.png": (64, 64), "robed_women.png": (64, 80), "pink_tone_chair.png": (64, 64),
+                "car_interior_white.jpeg": (80, 64), "bold_outfit_woman.jpeg": (64, 80),
+                "man_in_street.png": (80, 64), "safari_outfit.png": (64, 64)}
 
 
 @pytest.fixture(scope="session")

@@ -42,11 +42,14 @@ def encode_text_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, text
 def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tensor, positive: torch.Tensor,
                 negative: torch.Tensor | None, cfg: float, sigmas: list[float], references: list[torch.Tensor],
                 progress: Progress | None = None,
-                preview: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
-    """Euler sampling as ComfyUI's SamplerCustomAdvanced does it; returns the final latent on the CPU.
+                preview: Callable[[torch.Tensor, int, int], None] | None = None,
+                sampler: str = "euler", seed: int = 0) -> torch.Tensor:
+    """Sampling as ComfyUI's SamplerCustomAdvanced does it for a FLUX model; returns the final latent on the CPU.
 
     The start is sigma0 * noise + (1 - sigma0) * latent (ComfyUI's flow-model noise scaling), exactly
-    the noise for an empty latent and sigma0 = 1. cfg 1.0 skips the negative.
+    the noise for an empty latent and sigma0 = 1; a schedule that stops above 0 returns x / (1 - sigma_last)
+    (its inverse noise scaling). cfg 1.0 skips the negative. `seed` (the noise seed) fixes the fresh noise
+    of the stochastic samplers.
     """
     if len(sigmas) < 2:
         return latent.float().clone()
@@ -57,7 +60,10 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
     neg = _batched(negative, batch, "negative") if negative is not None and cfg != 1.0 else None
     refs = pack_references([r[:1] for r in references]) if references else None
     out = sample(model, start, pos, list(sigmas), negative=neg, guidance=cfg, references=refs, progress=progress,
-                 preview=preview)
+                 preview=preview, sampler=sampler, seed=seed)
+    last = torch.tensor(float(sigmas[-1]), dtype=torch.float32, device=out.device)
+    if last != 0:
+        out = out / (1.0 - last)
     return out.cpu()
 
 

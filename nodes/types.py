@@ -67,6 +67,8 @@ class ModelInfo:
     dtype: str = "bf16"
     source: str = ""  # the file's (or folder's) identity when this info was read (files.identity): a replaced
     #                   file gives another info under the same key, so the engine reads the new weights
+    placement: str = "gpu"  # "gpu": the planner places it; "cpu": its nodes compute on the CPU and it never
+    #                          takes GPU memory (ComfyUI's CLIPLoader device "cpu")
 
 
 @dataclass(frozen=True)

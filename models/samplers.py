@@ -264,7 +264,7 @@ def run(name: str, denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, see
 
 TREE_TOL = 1e-6
 TREE_POOL = 24
-TREE_CACHE = 48  # intervals whose increments are kept (each is one latent); others are recomputed on demand
+TREE_CACHE = 64  # interval increments kept between queries (each is one latent); others are recomputed
 
 
 class _Interval:
@@ -313,41 +313,23 @@ class BrownianTree:
         g = torch.Generator("cpu").manual_seed(seed)
         return torch.randn(self.shape, dtype=torch.float32, generator=g)
 
-    def _w(self, node: _Interval) -> torch.Tensor:
-        """The increment over one tree interval, from its nearest known ancestor down (bridge samples)."""
-        chain = []
-        while node.parent is not None and node not in self._cache:
-            chain.append(node)
-            node = node.parent
-        w = self._root_w if node.parent is None else self._cache[node]
-        for child in reversed(chain):
-            p = child.parent
-            h_rec = 1 / (p.end - p.start)
-            left_diff, right_diff = p.mid - p.start, p.end - p.mid
-            left_w = left_diff * w * h_rec + math.sqrt(left_diff * right_diff * h_rec) * self._randn(p._seed)
-            w = left_w if child.is_left else w - left_w
-            self._cache[child] = w
-            self._cache.move_to_end(child)
-            if len(self._cache) > TREE_CACHE:
-                self._cache.popitem(last=False)
-        return w
-
-    def _tiles(self, a: float, b: float) -> list[_Interval]:
-        out, todo = [], [(self.root, a, b)]
-        while todo:
-            node, a, b = todo.pop()
-            if a == node.start and b == node.end:
-                out.append(node)
-                continue
-            left, right = node.children(self)
-            if b <= node.mid:
-                todo.append((left, a, b))
-            elif a >= node.mid:
-                todo.append((right, a, b))
-            else:  # right first on the stack, so the left part comes out first
-                todo.append((right, node.mid, b))
-                todo.append((left, a, node.mid))
-        return out
+    def _child_w(self, node: _Interval, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The increments over `node`'s two halves given its own `w`: the Brownian bridge at its midpoint."""
+        left, right = node.children(self)
+        if left in self._cache and right in self._cache:
+            self._cache.move_to_end(left)
+            self._cache.move_to_end(right)
+            return self._cache[left], self._cache[right]
+        h_rec = 1 / (node.end - node.start)
+        left_diff, right_diff = node.mid - node.start, node.end - node.mid
+        left_w = left_diff * w * h_rec + math.sqrt(left_diff * right_diff * h_rec) * self._randn(node._seed)
+        right_w = w - left_w
+        for k, v in ((left, left_w), (right, right_w)):
+            self._cache[k] = v
+            self._cache.move_to_end(k)
+        while len(self._cache) > TREE_CACHE:
+            self._cache.popitem(last=False)
+        return left_w, right_w
 
     def increment(self, a: float, b: float) -> torch.Tensor:
         a = min(max(float(a), self.root.start), self.root.end)
@@ -357,11 +339,25 @@ class BrownianTree:
         a, b = self.round(a), self.round(b)
         if a == b:
             return torch.zeros(self.shape, dtype=torch.float32)
-        tiles = self._tiles(a, b)
-        w = self._w(tiles[0])
-        for t in tiles[1:]:
-            w = w + self._w(t)
-        return w
+        # Walk down from the root, carrying each interval's increment, and add up the largest intervals that tile
+        # [a, b], left to right.
+        total = None
+        todo = [(self.root, self._root_w, a, b)]
+        while todo:
+            node, w, a, b = todo.pop()
+            if a == node.start and b == node.end:
+                total = w if total is None else total + w
+                continue
+            left, right = node.children(self)
+            left_w, right_w = self._child_w(node, w)
+            if b <= node.mid:
+                todo.append((left, left_w, a, b))
+            elif a >= node.mid:
+                todo.append((right, right_w, a, b))
+            else:  # right first on the stack, so the left part comes out first
+                todo.append((right, right_w, node.mid, b))
+                todo.append((left, left_w, a, node.mid))
+        return total
 
 
 class BrownianNoise:

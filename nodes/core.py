@@ -87,8 +87,17 @@ class UNETLoader:
                              "weight_dtype": (WEIGHT_DTYPES, {"advanced": True})}, "hidden": HIDDEN}
 
     @classmethod
+    def VALIDATE_INPUTS(cls, weight_dtype: str = "default") -> bool | str:
+        try:
+            unet_weight_dtype(weight_dtype)
+        except ValueError as e:
+            return str(e)
+        return True
+
+    @classmethod
     def vg_estimate(cls, env: Any, unet_name: str, weight_dtype: str = "default") -> Cost:
-        return Cost((env.model_info("transformer", unet_name, unet_weight_dtype(weight_dtype)),))
+        dtype = unet_weight_dtype(weight_dtype)
+        return Cost((env.model_info("transformer", unet_name, dtype),))
 
     @classmethod
     def IS_CHANGED(cls, unet_name: str, folders: Any = None, **_: Any) -> str:

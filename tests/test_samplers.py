@@ -98,7 +98,7 @@ def test_beta_quantile():
 @pytest.mark.parametrize("steps", [1, 4, 20])
 def test_ddim_uniform_linear_quadratic_kl_optimal(steps):
     stride = 10000 // steps
-    close(schedules.schedule("ddim_uniform", steps), [TABLE[k] for k in range(1, 10000, stride)][::-1] + [0.0])
+    close(schedules.schedule("ddim_uniform", steps), [*[TABLE[k] for k in range(1, 10000, stride)][::-1], 0.0])
     if steps == 1:
         close(schedules.schedule("linear_quadratic", 1), [1.0, 0.0])
     else:
@@ -119,7 +119,7 @@ def test_schedule_names_and_bad_input():
     from vramgraph.nodes.core import SCHEDULERS
 
     assert tuple(SCHEDULERS) == schedules.SCHEDULERS
-    with pytest.raises(ValueError, match="unknown scheduler 'bogus'.*simple"):
+    with pytest.raises(ValueError, match=r"unknown scheduler 'bogus'.*simple"):
         schedules.schedule("bogus", 4)
     with pytest.raises(ValueError, match="at least 1"):
         schedules.schedule("simple", 0)
@@ -331,7 +331,7 @@ def test_determinism_by_seed(name):
 
 
 def test_unknown_sampler():
-    with pytest.raises(ValueError, match="unknown sampler 'dpm_fast'.*euler"):
+    with pytest.raises(ValueError, match=r"unknown sampler 'dpm_fast'.*euler"):
         samplers.run("dpm_fast", gaussian_x0, start(), SIGMAS)
     from vramgraph.nodes.core import SAMPLERS
 

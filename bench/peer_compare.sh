@@ -4,7 +4,9 @@
 # Run on the device from the repo root with the carry built by ../shared/tools/comfyui-peer/prepare.sh:
 #   run(command='bash bench/peer_compare.sh "cap12 uncapped"',
 #       carry=[".whl/peer", ".whl/ckpt_script", ".whl/wheels", ".whl/comfy.tar.xz", ".whl/tok"])
-# Writes $OUT/peer_compare.json (bench/peer_compare.py) with the PNGs and logs.
+# Writes $OUT/peer_compare.json (bench/peer_compare.py) with the PNGs and logs. SAMPLER_PAIRS=1 (with the
+# uncapped setting) also runs KSampler for every sampler/scheduler pair on both servers (bench/peer_samplers.py,
+# 512², 6 steps, seed 42) and writes $OUT/peer_samplers.json: per pair, the pictures' mean absolute difference.
 set -u
 SETTINGS=${1:-"cap12 uncapped"}
 JOBS=${JOBS:-1024_s42,1024_s43,1024_s44,512_s42,2048_s42}
@@ -53,6 +55,9 @@ comfy() {  # $1 label, rest: ComfyUI arguments
   timeout 300 python3 .whl/peer/peer_bench.py --port 8188 --label $label --out $P --results $L/results_$label.json \
     --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
   timeout 200 python3 bench/peer_queue.py --port 8188 --label $label --out $L
+  if [ -n "${SAMPLER_PAIRS:-}" ] && [ "$label" = comfy_uncapped ]; then  # same picture per sampler/scheduler pair
+    timeout 400 python3 bench/peer_samplers.py run --port 8188 --label comfy --out $P
+  fi
   if [ "${PACK_CHECK:-}" = "$label" ]; then
     timeout 200 python3 bench/comfy_pack_check.py --port 8188 --out $L/pack_check.json || echo "pack check failed"
   fi
@@ -70,6 +75,9 @@ ours() {  # $1 label, rest: vramgraph serve arguments
   timeout 300 python3 .whl/peer/peer_bench.py --port 8189 --label $label --out $P --results $L/results_$label.json \
     --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
   timeout 200 python3 bench/peer_queue.py --port 8189 --label $label --out $L
+  if [ -n "${SAMPLER_PAIRS:-}" ] && [ "$label" = ours_uncapped ]; then
+    timeout 400 python3 bench/peer_samplers.py run --port 8189 --label ours --out $P
+  fi
   wait_down $pid
   grep -E "Traceback|Error" $L/ours_$label.log | head -20
 }
@@ -84,6 +92,8 @@ for s in $SETTINGS; do
 done
 echo "== t=$(el) comparing"
 PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/peer_compare.json
+[ -n "${SAMPLER_PAIRS:-}" ] && PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_samplers.py compare $P comfy ours \
+  $OUT/peer_samplers.json
 cp $L/page_cache.log $OUT/ 2>/dev/null
 (cd /tmp && tar -czf $OUT/peer_logs.tgz --exclude='*.png' peerlogs)  # few files come back from the device: the logs in one (PNGs are too big)
 echo "== t=$(el) end"

@@ -112,13 +112,14 @@ def unet_weight_dtype(weight_dtype: str) -> str:
     """The catalogue dtype for UNETLoader's `weight_dtype` (the one place a cast on load plugs in).
 
     "default" loads the weights as the file stores them. ComfyUI's fp8 choices cast a bf16 file to fp8 while
-    loading; we do not run that cast yet, so they are refused before anything runs (an fp8 *file* needs no
-    cast: it loads as stored with "default")."""
+    loading; we do not run that cast yet, so they are refused before anything runs (UNETLoader.VALIDATE_INPUTS
+    and the estimate both ask here). To support a cast, return the catalogue dtype for it here and make
+    `ModelCatalog.model_info(kind, name, dtype)` honour that dtype (it ignores it today)."""
     if weight_dtype == "default":
         return "default"
     if weight_dtype in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype '{weight_dtype}': casting the transformer's weights to fp8 while loading "
-                         "is not supported; set weight_dtype to 'default' (an fp8 checkpoint loads as stored)")
+                         "is not supported; set weight_dtype to 'default' (the weights as the file stores them)")
     raise ValueError(f"weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
 
 

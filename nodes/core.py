@@ -398,6 +398,13 @@ class EmptyFlux2LatentImage:
         return ({"samples": torch.zeros(batch_size, 128, height // 16, width // 16)},)
 
 
+def model_calls(sampler: Any, steps: int) -> int:
+    """Transformer evaluations of `sampler` over `steps` steps: heun and dpmpp_sde evaluate twice a step (but
+    once on the step to sigma 0), the others once (the time estimate counts these; the peak is one call's)."""
+    two = sampler in ("heun", "dpmpp_sde")
+    return 2 * steps - 1 if two and steps > 0 else steps
+
+
 def _sampling_cost(model: ModelInfo, positive: CondInfo, negative: CondInfo | None, cfg: float,
                    latent: LatentInfo, steps: int, outputs: tuple) -> Cost:
     cfg_batch = 2 if negative is not None and cfg != 1.0 else 1
@@ -450,7 +457,7 @@ class SamplerCustomAdvanced:
     def vg_estimate(cls, env: Any, noise: NoiseInfo, guider: GuiderInfo, sampler: str, sigmas: SigmasInfo,
                     latent_image: LatentInfo) -> Cost:
         return _sampling_cost(guider.model, guider.positive, guider.negative, guider.cfg, latent_image,
-                              sigmas.steps, (latent_image, latent_image))
+                              model_calls(sampler, sigmas.steps), (latent_image, latent_image))
 
     def sample(self, noise: Noise, guider: Guider, sampler: Sampler, sigmas: torch.Tensor, latent_image: dict,
                vg: Any = None) -> tuple:
@@ -485,7 +492,8 @@ class KSampler:
         if sampler_name not in SAMPLERS:
             raise ValueError(f"sampler '{sampler_name}' is not one of {', '.join(SAMPLERS)}")
         _check_schedule(scheduler, steps, denoise)
-        return _sampling_cost(model, positive, negative, cfg, latent_image, steps, (latent_image,))
+        return _sampling_cost(model, positive, negative, cfg, latent_image, model_calls(sampler_name, steps),
+                              (latent_image,))
 
     def sample(self, model: ModelHandle, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
                positive: list, negative: list, latent_image: dict, denoise: float = 1.0, vg: Any = None) -> tuple:

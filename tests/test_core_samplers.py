@@ -172,3 +172,9 @@ def test_brownian_noise_has_comfyuis_latent_layout():
     sig = schedules.schedule("simple", 2)
     got = samplers.BrownianNoise(x, sig[sig > 0].min(), sig.max(), 5)(sig[0], sig[1])
     assert got.shape == (1, 128, 2, 3)
+
+
+def test_two_call_samplers_are_priced_per_model_call(folders: Folders):
+    engine = Engine(folders, device="cpu")
+    seconds = {s: engine.prepare(core(s, steps=4)).costs["11"].variants[0].seconds for s in ("euler", "heun")}
+    assert seconds["heun"] == pytest.approx(seconds["euler"] * 7 / 4)  # 2 calls a step, 1 on the step to 0

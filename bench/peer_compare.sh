@@ -4,9 +4,7 @@
 # Run on the device from the repo root with the carry built by ../shared/tools/comfyui-peer/prepare.sh:
 #   run(command='bash bench/peer_compare.sh "cap12 uncapped"',
 #       carry=[".whl/peer", ".whl/ckpt_script", ".whl/wheels", ".whl/comfy.tar.xz", ".whl/tok"])
-# Writes $OUT/peer_compare.json (bench/peer_compare.py) with the PNGs and logs. SAMPLER_PAIRS=1 (with the
-# uncapped setting) also runs KSampler for every sampler/scheduler pair on both servers (bench/peer_samplers.py,
-# 512², 6 steps, seed 42) and writes $OUT/peer_samplers.json: per pair, the pictures' mean absolute difference.
+# Writes $OUT/peer_compare.json (bench/peer_compare.py) with the PNGs and logs.
 set -u
 SETTINGS=${1:-"cap12 uncapped"}
 JOBS=${JOBS:-1024_s42,1024_s43,1024_s44,512_s42,2048_s42}
@@ -82,6 +80,8 @@ ours() {  # $1 label, rest: vramgraph serve arguments
   grep -E "Traceback|Error" $L/ours_$label.log | head -20
 }
 
+# SAMPLER_PAIRS=1 (with the uncapped setting): KSampler for every sampler/scheduler pair on both servers
+# (bench/peer_samplers.py: 512², 6 steps, seed 42); $OUT/peer_samplers.json has each pair's picture difference.
 for s in $SETTINGS; do
   case $s in
     cap12)    PEER_CAP_GIB=12 comfy comfy_cap12 --reserve-vram $RES_B; ours ours_cap12 --vram 12GiB ;;
@@ -90,10 +90,10 @@ for s in $SETTINGS; do
               ours ours_uncapped ;;
   esac
 done
-echo "== t=$(el) comparing"
-PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/peer_compare.json
 [ -n "${SAMPLER_PAIRS:-}" ] && PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_samplers.py compare $P comfy ours \
   $OUT/peer_samplers.json
+echo "== t=$(el) comparing"
+PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/peer_compare.json
 cp $L/page_cache.log $OUT/ 2>/dev/null
 (cd /tmp && tar -czf $OUT/peer_logs.tgz --exclude='*.png' peerlogs)  # few files come back from the device: the logs in one (PNGs are too big)
 echo "== t=$(el) end"

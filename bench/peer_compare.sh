@@ -60,6 +60,9 @@ comfy() {  # $1 label, rest: ComfyUI arguments
   timeout 300 python3 .whl/peer/peer_bench.py --port 8188 --label $label --out $P --results $L/results_$label.json \
     --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
   timeout 200 python3 bench/peer_queue.py --port 8188 --label $label --out $L
+  if [ -n "${SAMPLER_PAIRS:-}" ] && [ "$label" = comfy_uncapped ]; then  # same picture per sampler/scheduler pair
+    timeout 400 python3 bench/peer_samplers.py run --port 8188 --label comfy --out $P
+  fi
   if [ "${PACK_CHECK:-}" = "$label" ]; then
     timeout 200 python3 bench/comfy_pack_check.py --port 8188 --out $L/pack_check.json || echo "pack check failed"
   fi
@@ -77,10 +80,15 @@ ours() {  # $1 label, rest: vramgraph serve arguments
   timeout 300 python3 .whl/peer/peer_bench.py --port 8189 --label $label --out $P --results $L/results_$label.json \
     --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
   timeout 200 python3 bench/peer_queue.py --port 8189 --label $label --out $L
+  if [ -n "${SAMPLER_PAIRS:-}" ] && [ "$label" = ours_uncapped ]; then
+    timeout 400 python3 bench/peer_samplers.py run --port 8189 --label ours --out $P
+  fi
   wait_down $pid
   grep -E "Traceback|Error" $L/ours_$label.log | head -20
 }
 
+# SAMPLER_PAIRS=1 (with the uncapped setting): KSampler for every sampler/scheduler pair on both servers
+# (bench/peer_samplers.py: 512², 6 steps, seed 42); $OUT/peer_samplers.json has each pair's picture difference.
 for s in $SETTINGS; do
   case $s in
     cap12)    PEER_CAP_GIB=12 comfy comfy_cap12 --reserve-vram $RES_B; ours ours_cap12 --vram 12GiB ;;
@@ -91,6 +99,8 @@ for s in $SETTINGS; do
               ours ours_uncapped ;;
   esac
 done
+[ -n "${SAMPLER_PAIRS:-}" ] && PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_samplers.py compare $P comfy ours \
+  $OUT/peer_samplers.json
 echo "== t=$(el) comparing"
 PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/${NAME:-peer_compare}.json
 cp $L/page_cache.log $OUT/ 2>/dev/null

@@ -310,7 +310,29 @@ def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type], folder
             errors.append(error)
         else:
             inputs[x] = converted
+    if not errors:
+        errors = _custom_validation(nodes[class_type], inputs)
     return errors, links, inputs
+
+
+def _custom_validation(cls: type, inputs: Mapping[str, Any]) -> list[dict]:
+    """ComfyUI's VALIDATE_INPUTS: called with the literal inputs it names; anything but True is an error
+    (`custom_validation_failed`, details "input - message") on each of those inputs."""
+    fn = getattr(cls, "VALIDATE_INPUTS", None)
+    if fn is None:
+        return []
+    wanted = [p for p in inspect.signature(fn).parameters if p in inputs and not is_link(inputs[p])]
+    given = {p: inputs[p] for p in wanted}
+    try:
+        ret = fn(**given)
+    except Exception as ex:  # as ComfyUI: the validator's exception is the node's validation error
+        return [_err("exception_during_inner_validation", "Exception when validating inner node",
+                     f"{cls.__name__}.VALIDATE_INPUTS raised {type(ex).__name__}: {ex}",
+                     exception_message=str(ex), exception_type=type(ex).__name__)]
+    if ret is True:
+        return []
+    return [_err("custom_validation_failed", "Custom validation failed for node",
+                 f"{x}" + ("" if ret is False else f" - {ret}"), input_name=x) for x in given]
 
 
 def _cycle_errors(g: nx.DiGraph) -> dict[str, dict]:

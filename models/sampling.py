@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from . import samplers
 from .flux2 import Flux2Transformer, RefKV, image_ids, rope_table, text_ids
 
 # Empirical fit of the schedule's shift mu to the target token count and step count (BFL flux2).
@@ -136,18 +137,22 @@ Progress = Callable[[int, int], None]
 def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor, sigma_list: Sequence[float], *,
            negative: torch.Tensor | None = None, guidance: float = 1.0, references: References | None = None,
            progress: Progress | None = None,
-           preview: Callable[[torch.Tensor, int, int], None] | None = None, kv_cache: bool = False) -> torch.Tensor:
-    """Euler integration of the flow from sigma_list[0] to sigma_list[-1].
+           preview: Callable[[torch.Tensor, int, int], None] | None = None, kv_cache: bool = False,
+           sampler: str = "euler", seed: int = 0) -> torch.Tensor:
+    """Integration of the flow from sigma_list[0] to sigma_list[-1] with `sampler` (models/samplers.py).
 
     latent: (B, 128, h, w) noise (times sigma_list[0]) in the normalised space, any device;
     context: (B, T, D) prompt embeddings; negative: (B, T, D) or None. With `negative` and
-    guidance != 1, the velocity is u + guidance * (c - u) (classifier-free guidance, base models);
+    guidance != 1, the prediction is u + guidance * (c - u) (classifier-free guidance, base models);
     conditional and unconditional passes run as one batch. Returns the final latent, fp32, on the
     model's device. `preview(x0, step, steps)`, if given, receives each step's denoised estimate
-    x - sigma * v as a (B, 128, h, w) latent on the model's device.
+    x - sigma * v as a (B, 128, h, w) latent on the model's device. `seed` fixes the fresh noise of the
+    ancestral, SDE and LCM samplers (as ComfyUI draws it from the noise seed). "euler" steps in the
+    velocity, x += (sigma_next - sigma) v; the others step from the denoised estimate, with the guidance
+    applied to it as ComfyUI does (the same mixture: x0 is affine in v).
 
-    kv_cache (ComfyUI's FluxKVCache, for klein-9B-kv): the first step runs with the references, modulated at t=0, and
-    caches their keys and values (`RefKV`); every later step runs on the target tokens alone against that cache.
+    kv_cache (ComfyUI's FluxKVCache, for klein-9B-kv): the first model call runs with the references, modulated at
+    t=0, and caches their keys and values (`RefKV`); every later call runs on the target tokens alone against it.
     """
     device = model.img_in.weight.device
     h, w = latent.shape[2:]
@@ -167,16 +172,24 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
     if references is not None:
         ref_tokens = references.tokens.to(device, model.dtype).expand(ctx.shape[0], -1, -1)
     kv = RefKV() if kv_cache and ref_tokens is not None else None
-    steps = len(sigma_list) - 1
-    for i in range(steps):
-        s, s_next = sigma_list[i], sigma_list[i + 1]
+
+    def velocity(x: torch.Tensor, s: float) -> torch.Tensor:
+        """The model's (B, n, 128) prediction at sigma s, both halves when guidance is on."""
         inp = x.to(model.dtype)
         if cfg_on:
             inp = torch.cat([inp, inp], 0)
         if ref_tokens is not None and (kv is None or not kv.filled):
             inp = torch.cat([inp, ref_tokens], 1)
         sig = torch.full((inp.shape[0],), s, device=device, dtype=torch.float32)
-        v = (model(inp, ctx, sig, rope, n) if kv is None else model(inp, ctx, sig, rope, n, kv)).float()
+        return (model(inp, ctx, sig, rope, n) if kv is None else model(inp, ctx, sig, rope, n, kv)).float()
+
+    steps = len(sigma_list) - 1
+    if sampler != "euler":
+        return _sample_denoised(velocity, unpack(x, h, w), sigma_list, cfg_on, guidance, sampler, seed,
+                                progress, preview)
+    for i in range(steps):
+        s, s_next = sigma_list[i], sigma_list[i + 1]
+        v = velocity(x, s)
         if cfg_on:
             c, u = v.chunk(2)
             v = u + guidance * (c - u)
@@ -186,3 +199,31 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
         if progress is not None:
             progress(i + 1, steps)
     return unpack(x, h, w)
+
+
+def _sample_denoised(velocity: Callable[[torch.Tensor, float], torch.Tensor], x: torch.Tensor,
+                     sigma_list: Sequence[float], cfg_on: bool, guidance: float, sampler: str, seed: int,
+                     progress: Progress | None, preview: Callable[[torch.Tensor, int, int], None] | None
+                     ) -> torch.Tensor:
+    """Any of models/samplers.py over the denoiser x0 = x - sigma v (ComfyUI's CONST calculate_denoised),
+    on the unpacked latent x (B, 128, h, w), so fresh noise has ComfyUI's layout."""
+    h, w = x.shape[2:]
+    steps = len(sigma_list) - 1
+    sigmas = torch.tensor(list(sigma_list), dtype=torch.float32, device=x.device)
+
+    def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        xt = pack(x)
+        v = velocity(xt, float(sigma))
+        if not cfg_on:
+            return unpack(xt - v * sigma, h, w)
+        c, u = v.chunk(2)
+        cond, uncond = xt - c * sigma, xt - u * sigma
+        return unpack(uncond + (cond - uncond) * guidance, h, w)
+
+    def callback(i: int, denoised: torch.Tensor) -> None:
+        if preview is not None:
+            preview(denoised, i + 1, steps)
+        if progress is not None:
+            progress(i + 1, steps)
+
+    return samplers.run(sampler, denoise, x, sigmas, seed, callback)

@@ -14,7 +14,7 @@ CORE_NODES: dict[str, type] = {
         "KSamplerSelect", "Flux2Scheduler", "RandomNoise", "EmptyFlux2LatentImage", "SamplerCustomAdvanced",
         "VAEDecode", "VAEEncode", "ReferenceLatent", "LoadImage", "ImageScaleToTotalPixels", "GetImageSize",
         "PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean", "PrimitiveString", "PrimitiveStringMultiline",
-        "KSampler", "FluxKVCache")
+        "KSampler", "FluxKVCache", "BasicScheduler")
 } | {"SaveImage": output.SaveImage, "PreviewImage": output.PreviewImage}
 VG_NODES: dict[str, type] = dict(vg.NODES)
 VG_DISPLAY_NAMES: dict[str, str] = dict(vg.DISPLAY_NAMES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from . import estimates
@@ -48,8 +49,12 @@ if TYPE_CHECKING:
 MAX_RESOLUTION = 16384
 SEED_MAX = 0xFFFF_FFFF_FFFF_FFFF
 TEXT_TOKENS = 512
-SAMPLERS = ["euler"]
-SCHEDULERS = ["simple"]
+# ComfyUI's samplers and schedulers that we run (models/samplers.py, models/schedules.py), in ComfyUI's order.
+SAMPLERS = ["euler", "euler_ancestral", "heun", "dpmpp_sde", "dpmpp_2m", "dpmpp_2m_sde", "lcm"]
+SCHEDULERS = ["simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal", "linear_quadratic",
+              "kl_optimal"]
+WEIGHT_DTYPES = ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]  # UNETLoader's, as ComfyUI lists them
+CLIP_DEVICES = ["default", "cpu"]
 UPSCALE_METHODS = ["nearest-exact", "bilinear", "area", "bicubic", "lanczos"]
 HIDDEN = {"vg": "VG_CONTEXT"}
 
@@ -80,11 +85,20 @@ class UNETLoader:
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
         return {"required": {"unet_name": (file_list(folders, "diffusion_models"),),
-                             "weight_dtype": (["default"],)}, "hidden": HIDDEN}
+                             "weight_dtype": (WEIGHT_DTYPES, {"advanced": True})}, "hidden": HIDDEN}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, weight_dtype: str = "default") -> bool | str:
+        try:
+            unet_weight_dtype(weight_dtype)
+        except ValueError as e:
+            return str(e)
+        return True
 
     @classmethod
     def vg_estimate(cls, env: Any, unet_name: str, weight_dtype: str = "default") -> Cost:
-        return Cost((env.model_info("transformer", unet_name),))
+        dtype = unet_weight_dtype(weight_dtype)
+        return Cost((env.model_info("transformer", unet_name, dtype),))
 
     @classmethod
     def IS_CHANGED(cls, unet_name: str, folders: Any = None, **_: Any) -> str:
@@ -92,7 +106,22 @@ class UNETLoader:
 
     def load_unet(self, unet_name: str, weight_dtype: str = "default", vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
-        return (ModelHandle(vg.model_info("transformer", unet_name)),)
+        return (ModelHandle(vg.model_info("transformer", unet_name, unet_weight_dtype(weight_dtype))),)
+
+
+def unet_weight_dtype(weight_dtype: str) -> str:
+    """The catalogue dtype for UNETLoader's `weight_dtype` (the one place a cast on load plugs in).
+
+    "default" loads the weights as the file stores them. ComfyUI's fp8 choices cast a bf16 file to fp8 while
+    loading; we do not run that cast yet, so they are refused before anything runs (UNETLoader.VALIDATE_INPUTS
+    and the estimate both ask here). To support a cast, return the catalogue dtype for it here and make
+    `ModelCatalog.model_info(kind, name, dtype)` honour that dtype (it ignores it today)."""
+    if weight_dtype == "default":
+        return "default"
+    if weight_dtype in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype '{weight_dtype}': casting the transformer's weights to fp8 while loading "
+                         "is not supported; set weight_dtype to 'default' (the weights as the file stores them)")
+    raise ValueError(f"weight_dtype '{weight_dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
 
 
 class FluxKVCache:
@@ -124,11 +153,11 @@ class CLIPLoader:
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
         return {"required": {"clip_name": (file_list(folders, "text_encoders"),), "type": (["flux2"],)},
-                "optional": {"device": (["default"], {"advanced": True})}, "hidden": HIDDEN}
+                "optional": {"device": (CLIP_DEVICES, {"advanced": True})}, "hidden": HIDDEN}
 
     @classmethod
     def vg_estimate(cls, env: Any, clip_name: str, type: str = "flux2", device: str = "default") -> Cost:
-        return Cost((env.model_info("text_encoder", clip_name),))
+        return Cost((clip_placed(env.model_info("text_encoder", clip_name), device),))
 
     @classmethod
     def IS_CHANGED(cls, clip_name: str, folders: Any = None, **_: Any) -> str:
@@ -137,7 +166,15 @@ class CLIPLoader:
     def load_clip(self, clip_name: str, type: str = "flux2", device: str = "default", vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
         info = vg.model_info("text_encoder", clip_name)
-        return (ModelHandle(info, vg.tokenizer_for(info)),)
+        return (ModelHandle(clip_placed(info, device), vg.tokenizer_for(info)),)
+
+
+def clip_placed(info: ModelInfo, device: str) -> ModelInfo:
+    """The text encoder's info with CLIPLoader's `device`: "cpu" keeps it off the GPU (its encodes run on the
+    CPU and plan no GPU memory for it, as ComfyUI's load_device=cpu); "default" lets the planner place it."""
+    if device not in CLIP_DEVICES:
+        raise ValueError(f"device '{device}' is not one of {', '.join(CLIP_DEVICES)}")
+    return replace(info, placement="cpu") if device == "cpu" else info
 
 
 class VAELoader:
@@ -174,8 +211,10 @@ class CLIPTextEncode:
 
     @classmethod
     def vg_estimate(cls, env: Any, text: Any, clip: ModelInfo) -> Cost:
-        return Cost((CondInfo(1, TEXT_TOKENS),), estimates.text_encode(clip, 1, TEXT_TOKENS),
-                    host_bytes=TEXT_TOKENS * _context_dim(clip) * 4)
+        variants = estimates.text_encode(clip, 1, TEXT_TOKENS)
+        if clip.placement == "cpu":
+            variants = (estimates.text_encode_cpu(clip, 1),)
+        return Cost((CondInfo(1, TEXT_TOKENS),), variants, host_bytes=TEXT_TOKENS * _context_dim(clip) * 4)
 
     def encode(self, text: str, clip: ModelHandle, vg: Any = None) -> tuple:
         from . import ops
@@ -267,6 +306,8 @@ class KSamplerSelect:
 
     @classmethod
     def vg_estimate(cls, env: Any, sampler_name: str) -> Cost:
+        if sampler_name not in SAMPLERS:
+            raise ValueError(f"sampler '{sampler_name}' is not one of {', '.join(SAMPLERS)}")
         return Cost((sampler_name,))
 
     def get_sampler(self, sampler_name: str) -> tuple:
@@ -295,6 +336,50 @@ class Flux2Scheduler:
 
         seq_len = round(width * height / (16 * 16))
         return (torch.tensor(flux2_sigmas(steps, seq_len), dtype=torch.float32),)
+
+
+def scheduled_sigmas(scheduler: str, steps: int, denoise: float) -> torch.Tensor:
+    """ComfyUI's sigmas of `scheduler` for a FLUX.2 model (shift 2.02), as its KSampler and BasicScheduler cut
+    them for `denoise` < 1: the last steps + 1 of the schedule for int(steps / denoise) steps."""
+    import torch
+
+    from ..models.schedules import schedule
+
+    if denoise is None or denoise > 0.9999:
+        return schedule(scheduler, steps)
+    if denoise <= 0.0:
+        return torch.zeros(0, dtype=torch.float32)
+    return schedule(scheduler, int(steps / denoise))[-(steps + 1):]
+
+
+class BasicScheduler:
+    """ComfyUI's BasicScheduler: the model's sigma schedule (every FLUX.2 model: shift 2.02, models/schedules.py)."""
+
+    CATEGORY = "sampling/custom_sampling/schedulers"
+    RETURN_TYPES = (SIGMAS,)
+    FUNCTION = "get_sigmas"
+
+    @classmethod
+    def INPUT_TYPES(cls, folders: Any = None) -> dict:
+        return {"required": {"model": (MODEL,), "scheduler": (SCHEDULERS,),
+                             "steps": (INT, {"default": 20, "min": 1, "max": 10000}),
+                             "denoise": (FLOAT, {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01})}}
+
+    @classmethod
+    def vg_estimate(cls, env: Any, model: ModelInfo, scheduler: str, steps: int, denoise: float = 1.0) -> Cost:
+        _check_schedule(scheduler, steps, denoise)
+        return Cost((SigmasInfo(steps if denoise > 0 else 0),))
+
+    def get_sigmas(self, model: ModelHandle, scheduler: str, steps: int, denoise: float = 1.0) -> tuple:
+        return (scheduled_sigmas(scheduler, steps, denoise),)
+
+
+def _check_schedule(scheduler: str, steps: int, denoise: float) -> None:
+    """What the schedulers cannot do, said before anything runs."""
+    total = steps if denoise > 0.9999 else int(steps / denoise) if denoise > 0 else 0
+    if scheduler == "kl_optimal" and 0 < total < 2:
+        raise ValueError("scheduler 'kl_optimal' needs at least 2 steps (it divides by steps - 1); "
+                         "raise steps or choose another scheduler")
 
 
 class RandomNoise:
@@ -335,6 +420,13 @@ class EmptyFlux2LatentImage:
         return ({"samples": torch.zeros(batch_size, 128, height // 16, width // 16)},)
 
 
+def model_calls(sampler: Any, steps: int) -> int:
+    """Transformer evaluations of `sampler` over `steps` steps: heun and dpmpp_sde evaluate twice a step (but
+    once on the step to sigma 0), the others once (the time estimate counts these; the peak is one call's)."""
+    two = sampler in ("heun", "dpmpp_sde")
+    return 2 * steps - 1 if two and steps > 0 else steps
+
+
 def _sampling_cost(model: ModelInfo, positive: CondInfo, negative: CondInfo | None, cfg: float,
                    latent: LatentInfo, steps: int, outputs: tuple) -> Cost:
     cfg_batch = 2 if negative is not None and cfg != 1.0 else 1
@@ -344,7 +436,8 @@ def _sampling_cost(model: ModelInfo, positive: CondInfo, negative: CondInfo | No
 
 
 def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: list, negative: list | None,
-            cfg: float, sigmas: list[float]) -> dict:
+            cfg: float, sigmas: list[float], sampler: str = "euler") -> tuple[dict, dict]:
+    """(output, denoised output): the sampled latent and the last step's denoised estimate (ComfyUI's x0)."""
     import torch
 
     from . import ops
@@ -358,10 +451,18 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
             raise ValueError("the negative conditioning must carry the same reference latents as the positive "
                              "(apply the same ReferenceLatent nodes to both) when cfg != 1")
     sigmas = torch.tensor(sigmas, dtype=torch.float32).tolist()  # float32 as ComfyUI's SIGMAS, whichever node made them
+    shown = getattr(vg, "preview", None)
+    last: list = []
+
+    def preview(x0: torch.Tensor, step: int, steps: int) -> None:
+        last[:] = [x0]
+        if shown is not None:
+            shown(x0, step, steps)
+
     out = ops.run_sampler(vg.module(model), noise.generate_noise(latent), latent["samples"], pos, neg, cfg,
-                          sigmas, refs, progress=vg.progress, preview=getattr(vg, "preview", None),
+                          sigmas, refs, progress=vg.progress, preview=preview, sampler=sampler, seed=noise.seed,
                           kv_cache=model.info.kv_cache)
-    return {"samples": out}
+    return {"samples": out}, ({"samples": last[0].float().cpu()} if last else {"samples": out})
 
 
 class SamplerCustomAdvanced:
@@ -379,19 +480,18 @@ class SamplerCustomAdvanced:
     def vg_estimate(cls, env: Any, noise: NoiseInfo, guider: GuiderInfo, sampler: str, sigmas: SigmasInfo,
                     latent_image: LatentInfo) -> Cost:
         return _sampling_cost(guider.model, guider.positive, guider.negative, guider.cfg, latent_image,
-                              sigmas.steps, (latent_image, latent_image))
+                              model_calls(sampler, sigmas.steps), (latent_image, latent_image))
 
     def sample(self, noise: Noise, guider: Guider, sampler: Sampler, sigmas: torch.Tensor, latent_image: dict,
                vg: Any = None) -> tuple:
         vg = vg or comfy_context(self)
-        out = _sample(vg, guider.model, noise, latent_image, guider.positive, guider.negative, guider.cfg,
-                      sigmas.tolist())
-        # Euler's last step lands on sigma 0, where the output is the denoised prediction itself.
-        return (out, out)
+        return _sample(vg, guider.model, noise, latent_image, guider.positive, guider.negative, guider.cfg,
+                       sigmas.tolist(), sampler.name)
 
 
 class KSampler:
-    """ComfyUI's KSampler with euler; its 'simple' schedule is FLUX.2's empirical one for the latent size."""
+    """ComfyUI's KSampler: its scheduler's sigmas for a FLUX.2 model (shift 2.02, not Flux2Scheduler's
+    resolution-dependent schedule), its sampler, the seed's noise."""
 
     CATEGORY = "sampling"
     RETURN_TYPES = (LATENT,)
@@ -412,19 +512,19 @@ class KSampler:
     def vg_estimate(cls, env: Any, model: ModelInfo, seed: int, steps: int, cfg: float, sampler_name: str,
                     scheduler: str, positive: CondInfo, negative: CondInfo, latent_image: LatentInfo,
                     denoise: float = 1.0) -> Cost:
-        return _sampling_cost(model, positive, negative, cfg, latent_image, steps, (latent_image,))
+        if sampler_name not in SAMPLERS:
+            raise ValueError(f"sampler '{sampler_name}' is not one of {', '.join(SAMPLERS)}")
+        _check_schedule(scheduler, steps, denoise)
+        return _sampling_cost(model, positive, negative, cfg, latent_image, model_calls(sampler_name, steps),
+                              (latent_image,))
 
     def sample(self, model: ModelHandle, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
                positive: list, negative: list, latent_image: dict, denoise: float = 1.0, vg: Any = None) -> tuple:
-        from ..models.sampling import sigmas as flux2_sigmas
-
         vg = vg or comfy_context(self)
-        h, w = latent_image["samples"].shape[2:]
-        if denoise <= 0:
+        sig = scheduled_sigmas(scheduler, steps, denoise)
+        if len(sig) == 0:
             return (latent_image,)
-        total = steps if denoise >= 1.0 else int(steps / denoise)
-        sig = flux2_sigmas(total, h * w)[-(steps + 1):]
-        return (_sample(vg, model, Noise(seed), latent_image, positive, negative, cfg, sig),)
+        return (_sample(vg, model, Noise(seed), latent_image, positive, negative, cfg, sig.tolist(), sampler_name)[0],)
 
 
 class VAEDecode:

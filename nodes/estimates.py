@@ -46,6 +46,7 @@ TE_SECONDS_PER_PROMPT = 0.033
 VAE_DECODE_SECONDS_PER_MPIXEL = 0.086
 VAE_ENCODE_SECONDS_PER_MPIXEL = 0.05
 CPU_DECODE_SECONDS_PER_MPIXEL = 134.0  # the C engine's CPU fallback at 1024² that started this project
+CPU_TEXT_ENCODE_SECONDS_PER_PROMPT = 10.0  # not measured: Qwen3-4B's ~4 TFLOP for 512 tokens at ~0.4 TFLOP/s
 TILED_SLOWDOWN = 1.6
 
 
@@ -133,6 +134,16 @@ def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...
                     TE_SECONDS_PER_PROMPT * batch, streams=(model.key,),
                     note="streams the text encoder from pinned host memory, layer by layer")
     return (gpu, stream)
+
+
+def text_encode_cpu(model: ModelInfo, batch: int) -> Variant:
+    """The text encode on the CPU (CLIPLoader device "cpu"): no GPU memory, the weights in host memory."""
+    seconds = CPU_TEXT_ENCODE_SECONDS_PER_PROMPT * batch * _param_scale_te(model)
+    return Variant("cpu", (), 0, seconds, note="text encoder on the CPU (CLIPLoader device: cpu)")
+
+
+def _param_scale_te(model: ModelInfo) -> float:
+    return model.nbytes / (5.8 * GiB) if model.nbytes else 1.0
 
 
 def sampler_tokens(latent: LatentInfo, positive: CondInfo) -> int:

@@ -43,12 +43,14 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
                 negative: torch.Tensor | None, cfg: float, sigmas: list[float], references: list[torch.Tensor],
                 progress: Progress | None = None,
                 preview: Callable[[torch.Tensor, int, int], None] | None = None,
-                kv_cache: bool = False) -> torch.Tensor:
-    """Euler sampling as ComfyUI's SamplerCustomAdvanced does it; returns the final latent on the CPU.
+                sampler: str = "euler", seed: int = 0, kv_cache: bool = False) -> torch.Tensor:
+    """Sampling as ComfyUI's SamplerCustomAdvanced does it for a FLUX model; returns the final latent on the CPU.
 
     The start is sigma0 * noise + (1 - sigma0) * latent (ComfyUI's flow-model noise scaling), exactly
-    the noise for an empty latent and sigma0 = 1. cfg 1.0 skips the negative. kv_cache: a model patched by
-    FluxKVCache (the references' keys and values cached on the first step, see models.sampling.sample).
+    the noise for an empty latent and sigma0 = 1; a schedule that stops above 0 returns x / (1 - sigma_last)
+    (its inverse noise scaling). cfg 1.0 skips the negative. `seed` (the noise seed) fixes the fresh noise
+    of the stochastic samplers. kv_cache: a model patched by FluxKVCache (the references' keys and values
+    cached on the first step, see models.sampling.sample).
     """
     if len(sigmas) < 2:
         return latent.float().clone()
@@ -59,7 +61,10 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
     neg = _batched(negative, batch, "negative") if negative is not None and cfg != 1.0 else None
     refs = pack_references([r[:1] for r in references]) if references else None
     out = sample(model, start, pos, list(sigmas), negative=neg, guidance=cfg, references=refs, progress=progress,
-                 preview=preview, kv_cache=kv_cache)
+                 preview=preview, sampler=sampler, seed=seed, kv_cache=kv_cache)
+    last = torch.tensor(float(sigmas[-1]), dtype=torch.float32, device=out.device)
+    if last != 0:
+        out = out / (1.0 - last)
     return out.cpu()
 
 

@@ -69,6 +69,8 @@ class ModelInfo:
     #                   file gives another info under the same key, so the engine reads the new weights
     kv_cache: bool = False  # a transformer patched by FluxKVCache (same weights, same key; the sampler caches the
     #                         references' keys and values on its first step)
+    placement: str = "gpu"  # "gpu": the planner places it; "cpu": its nodes compute on the CPU and it never
+    #                          takes GPU memory (ComfyUI's CLIPLoader device "cpu")
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class VGSampler:
         vg = vg or comfy_context(self)
         h, w = latent["samples"].shape[2:]
         sig = sigmas(steps, h * w)
-        return (core._sample(vg, model, Noise(seed), latent, positive, negative, guidance, sig),)
+        return (core._sample(vg, model, Noise(seed), latent, positive, negative, guidance, sig)[0],)
 
 
 class VGReferenceImage:

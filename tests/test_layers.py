@@ -25,7 +25,7 @@ PURE = [
     "graph.workflow", "graph.validate", "graph.estimate", "graph.planner", "graph.planning", "graph.timeline",
     "graph.errors", "graph.budget", "graph.queue", "graph.runtime",
     "nodes", "nodes.types", "nodes.estimates", "nodes.catalog", "nodes.files", "nodes.core", "nodes.vg",
-    "nodes.output", "nodes.comfy",
+    "nodes.output", "nodes.comfy", "nodes.foreign", "graph.uiedit",
     "models.dtypes", "models.headers", "models.loading", "models.flux2_config", "models.qwen3_config",
     "models.vae_config",
 ]

@@ -17,7 +17,9 @@ A PNG saved by ComfyUI or by us is a workflow too: its `prompt` text chunk (API 
 `workflow` chunk (UI format) is kept for the PNGs the run writes.
 
 Legacy "group nodes" (``workflow>Name``, from ``extra.groupNodes``) are not expanded: they stay in the
-output under their own class_type, so validation reports them as missing node types.
+output under their own class_type, so validation reports them as missing node types. A node of a type we do
+not know keeps its raw widget values in ``_meta.widgets_values`` (it cannot run; validation reads them to say
+which model the workflow is for).
 """
 
 from __future__ import annotations
@@ -491,7 +493,12 @@ class _Converter:
 
     def emit_node(self, scope: _Scope, node_id: str, node: Mapping[str, Any], kind: str) -> None:
         inputs: dict[str, Any] = {}
+        meta: dict[str, Any] = {"title": node.get("title") or kind}
         cls = self.classes.get(kind)
+        if cls is None and isinstance(node.get("widgets_values"), list | Mapping):
+            # a type we do not know: its widgets cannot be named, but what they hold (a model file, a loader's type)
+            # tells validation which model the workflow is for (graph/families.py)
+            meta["widgets_values"] = copy.deepcopy(node["widgets_values"])
         if cls is not None:
             if kind not in self._slots:
                 self._slots[kind] = widget_slots(cls)
@@ -519,8 +526,7 @@ class _Converter:
                 inputs[name] = copy.deepcopy(source.value)
                 if source.origin is not None:
                     self.source_at[(scope.prefix + node_id, name)] = ("value", *source.origin)
-        self.out[scope.prefix + node_id] = {"inputs": inputs, "class_type": kind,
-                                            "_meta": {"title": node.get("title") or kind}}
+        self.out[scope.prefix + node_id] = {"inputs": inputs, "class_type": kind, "_meta": meta}
 
 
 def ui_to_api(ui: Mapping[str, Any], nodes: Mapping[str, type]) -> dict:

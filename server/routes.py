@@ -312,7 +312,7 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
     """POST {"prompt": API format, "name"?: workflow name} -> {"plan", "timeline", "svg", "table", "unplanned"} (svg:
     the plan's picture, the same drawing as `vramgraph plan --svg`; unplanned: the nodes planned by stand-ins,
     nodes/foreign.py), or ComfyUI's error body (HTTP 400)."""
-    from ..graph.errors import ValidationFailed
+    from ..graph.errors import NodeExecutionError, ValidationFailed, VramgraphError
     from ..graph.planner import PlanError
     from ..graph.timeline import timeline_data, timeline_svg
     from ..nodes.foreign import unplanned
@@ -338,6 +338,8 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
         return web.json_response(e.response, status=400, dumps=_dumps)
     except PlanError as e:
         return web.json_response({"error": e.to_dict(), "node_errors": {}}, status=400)
+    except NodeExecutionError as e:  # a node that cannot be estimated ahead of time: the error names it
+        return web.json_response({"error": VramgraphError.to_dict(e), "node_errors": {}}, status=400, dumps=_dumps)
     except (OSError, ValueError) as e:
         return _json_error(400, str(e), "plan_failed")
     return web.json_response({"plan": plan.to_json(), "timeline": timeline_data(plan), "svg": svg,

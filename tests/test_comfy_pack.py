@@ -106,6 +106,15 @@ def _fake_comfyui(root: Path, models: Path, device: str = "cpu") -> tuple[dict, 
         OUTPUT_NODE = True
         FUNCTION = "save"
 
+    class LoraLoaderModelOnly:
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"model": ("MODEL",), "lora_name": (["style.safetensors"],),
+                                 "strength_model": ("FLOAT", {"default": 1.0})}}
+
+        RETURN_TYPES = ("MODEL",)
+        FUNCTION = "load_lora"
+
     class Broken:
         @classmethod
         def INPUT_TYPES(cls):
@@ -113,6 +122,7 @@ def _fake_comfyui(root: Path, models: Path, device: str = "cpu") -> tuple[dict, 
 
     nodes = types.ModuleType("nodes")  # ComfyUI's nodes.py: its core nodes and every loaded pack's, ours too
     nodes.NODE_CLASS_MAPPINGS = {"ImageScaleBy": ImageScaleBy, "SaveAnimatedWEBP": SaveAnimatedWEBP, "Broken": Broken,
+                                 "LoraLoaderModelOnly": LoraLoaderModelOnly,
                                  "SaveImage": SaveAnimatedWEBP}  # a core type we implement is planned as ours
     return {"folder_paths": fp, "comfy": comfy, "comfy.model_management": mm, "comfy.utils": utils,
             "server": server, "nodes": nodes}, calls
@@ -229,6 +239,16 @@ def test_plan_panel_plans_graphs_that_mix_vg_and_comfyui_nodes(pack):
         prompt["12"]["class_type"] = "Broken"  # a declaration that cannot be read: a missing type, as before
         bad = requests.post(srv.url + "/vramgraph/plan", json={"prompt": prompt}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "missing_node_type"
+        # ComfyUI's node between our loader and our sampler: our sampler cannot be sized, and the answer says why
+        core = json.loads((ROOT / "workflows" / "core_text_to_image.json").read_text())
+        lora = {"model": ["1", 0], "lora_name": "style.safetensors", "strength_model": 1.0}
+        core["20"] = {"class_type": "LoraLoaderModelOnly", "inputs": lora}
+        core["6"]["inputs"]["model"] = ["20", 0]
+        bad = requests.post(srv.url + "/vramgraph/plan", json={"prompt": core}, timeout=60)
+        assert bad.status_code == 400, bad.text
+        error = bad.json()["error"]
+        assert error["extra_info"]["node_id"] == "6"
+        assert "comes from node 20 (LoraLoaderModelOnly), ComfyUI's own node" in error["message"]
 
 
 def _heavy(pack, fn, *args, **kwargs):

@@ -78,7 +78,7 @@ def load(workflow: str | Path | Mapping[str, Any], set: Mapping[str, Any] | None
             path = WORKFLOWS / path.name
         workflow = path
     wf = load_workflow(workflow)
-    targets = apply_sets(wf.prompt, set or {}, prefix=prefix)
+    targets = set_inputs(wf.prompt, set or {}, prefix=prefix)
     if targets and wf.ui is not None:  # the PNGs' workflow chunk must hold the values that ran (graph/uiedit.py)
         from ..nodes import ENGINE_NODES
         from .uiedit import ui_with_sets
@@ -91,9 +91,14 @@ def load(workflow: str | Path | Mapping[str, Any], set: Mapping[str, Any] | None
     return wf
 
 
-def apply_sets(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -> list[tuple[str, str, Any]]:
-    """Set inputs: each key is NODE.INPUT, NODE an id or a node title (`_meta.title`). Returns what was set, as
-    (node id, input, value)."""
+def apply_sets(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -> dict:
+    """Set inputs: each key is NODE.INPUT, NODE an id or a node title (`_meta.title`)."""
+    set_inputs(prompt, sets, prefix=prefix)
+    return prompt
+
+
+def set_inputs(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -> list[tuple[str, str, Any]]:
+    """`apply_sets`, returning what was set as (node id, input, value)."""
     done = []
     for target, value in sets.items():
         node, dot, name = str(target).rpartition(".")

@@ -47,9 +47,7 @@ def expected_prompt(path: Path, sets: list[str]) -> dict:
     from vramgraph.cli.main import parse_sets
     from vramgraph.graph.api import apply_sets
 
-    prompt = load_workflow(path).prompt
-    apply_sets(prompt, parse_sets([s for s in sets if s != "--set"]))
-    return prompt
+    return apply_sets(load_workflow(path).prompt, parse_sets([s for s in sets if s != "--set"]))
 
 
 # ------------------------------------------------------------------------------------------ run

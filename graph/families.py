@@ -7,12 +7,15 @@ API nodes, ...). Such a workflow would otherwise fail validation on its first no
 
 1. model file headers, when a named file is present in the models folders (the tensor names say SDXL, SD3,
    FLUX.1, Wan, ...; a FLUX.2 or Qwen3 file is ours, whatever its name);
-2. node types that exist only for one model family (Flux3LayoutPrompt, WanImageToVideo, LTXVConditioning,
-   ...), and ComfyUI's API nodes, which call a cloud service (Kling, Gemini, OpenAI, ...);
+2. ComfyUI's API nodes, which send the work to a cloud service (Kling, Gemini, OpenAI, ...); a graph that only
+   generates text (TextGenerate, no sampler) is a language model's;
 3. a text-encoder loader's `type` (CLIPLoader type "flux3", "lumina2", "wan", ...; ours is "flux2");
-4. model file names, for files that are absent (the names ComfyUI's templates use: "z_image_turbo_bf16",
-   "sd_xl_base_1.0", "wan2.2_t2v_...").
-A file name is never the evidence for a file that is present: its header decides.
+4. node types that exist only for one model family (Flux3LayoutPrompt, WanImageToVideo, LTXVConditioning, ...);
+5. model file names, for files that are absent (the names ComfyUI's templates use: "z_image_turbo_bf16",
+   "sd_xl_base_1.0", "wan2.2_t2v_..."), and last the kind of model a node type needs (an upscale model, ...).
+The family named is the most precise one the evidence gives: a loader's file name refines a node's or a
+loader type's family ("Wan" -> "Wan 2.2", "FLUX.3" -> "FLUX.3 klein"). A file name is never the evidence for a
+file that is present: its header decides.
 """
 
 from __future__ import annotations
@@ -266,7 +269,7 @@ def unsupported_model(prompt: Mapping[str, Any], nodes: Mapping[str, type], fold
     rank = {c: i for i, c in enumerate(LOADER_ORDER)}
     order = sorted(items, key=lambda x: (rank.get(x[1]["class_type"], len(rank)), x[0]))
     by_name: list[Finding] = []
-    for node_id, node in order:  # 1. headers of present files (and the names of absent ones, kept for 4.)
+    for node_id, node in order:  # 1. headers of present files (and the names of absent ones, kept for 5.)
         cls = node["class_type"]
         for _key, value in _strings(node):
             if not value.lower().endswith(MODEL_EXTENSIONS):

@@ -19,13 +19,12 @@ events (ComfyUI's websocket message types) for progress.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +86,7 @@ def load(workflow: str | Path | Mapping[str, Any], set: Mapping[str, Any] | None
         if ui is None:
             log.warning("%s: the PNGs will carry no 'workflow' chunk, only the 'prompt' chunk with the values used "
                         "(ComfyUI opens that too): %s", wf.source, why)
-        wf = dataclasses.replace(wf, ui=ui)
+        wf = replace(wf, ui=ui)
     return wf
 
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ WORKFLOWS = Path(__file__).parent.parent / "workflows"
 DEFAULT_FILES = {"transformer": "flux-2-klein-4b.safetensors", "text_encoder": "qwen_3_4b.safetensors",
                  "vae": "flux2-vae.safetensors"}
 Events = Callable[[str, dict], None]
+log = logging.getLogger("vramgraph")
 SIZE_NODES = ("EmptyFlux2LatentImage", "VGEmptyLatent", "Flux2Scheduler")
 
 
@@ -76,12 +78,28 @@ def load(workflow: str | Path | Mapping[str, Any], set: Mapping[str, Any] | None
             path = WORKFLOWS / path.name
         workflow = path
     wf = load_workflow(workflow)
-    apply_sets(wf.prompt, set or {}, prefix=prefix)
+    targets = set_inputs(wf.prompt, set or {}, prefix=prefix)
+    if targets and wf.ui is not None:  # the PNGs' workflow chunk must hold the values that ran (graph/uiedit.py)
+        from ..nodes import ENGINE_NODES
+        from .uiedit import ui_with_sets
+
+        ui, why = ui_with_sets(wf.ui, targets, ENGINE_NODES)
+        if ui is None:
+            log.warning("%s: the PNGs will carry no 'workflow' chunk, only the 'prompt' chunk with the values used "
+                        "(ComfyUI opens that too): %s", wf.source, why)
+        wf = replace(wf, ui=ui)
     return wf
 
 
 def apply_sets(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -> dict:
     """Set inputs: each key is NODE.INPUT, NODE an id or a node title (`_meta.title`)."""
+    set_inputs(prompt, sets, prefix=prefix)
+    return prompt
+
+
+def set_inputs(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -> list[tuple[str, str, Any]]:
+    """`apply_sets`, returning what was set as (node id, input, value)."""
+    done = []
     for target, value in sets.items():
         node, dot, name = str(target).rpartition(".")
         what = f"{prefix}{target}={value}"
@@ -93,7 +111,8 @@ def apply_sets(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -
             raise ValueError(f"{what}: no node with id or title '{node}'" if not ids else
                              f"{what}: several nodes are titled '{node}' ({', '.join(ids)}); use the id")
         prompt[ids[0]].setdefault("inputs", {})[name] = value
-    return prompt
+        done.append((ids[0], name, value))
+    return done
 
 
 def parse_size(size: str | tuple[int, int], option: str = "size") -> tuple[int, int]:

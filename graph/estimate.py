@@ -38,6 +38,13 @@ def propagate(prompt: Mapping[str, dict], dag: nx.DiGraph, nodes: Mapping[str, t
     for node in nx.lexicographical_topological_sort(dag, key=_order_key):
         cls = nodes[prompt[node]["class_type"]]
         inputs = inputs_of(prompt, node, outputs)
+        unknown = [k for k, v in inputs.items() if v is UNKNOWN]
+        if unknown and not getattr(cls, "UNPLANNED", None):  # fed by a node we only stand in for (nodes/foreign.py)
+            src = prompt[node]["inputs"][unknown[0]][0]
+            raise NodeExecutionError(node, prompt[node]["class_type"], (
+                f"its input '{unknown[0]}' comes from node {src} ({prompt[src]['class_type']}), ComfyUI's own node, "
+                "whose output vramgraph cannot know ahead of time, so this node cannot be planned; plan the graph "
+                "without that node in front of ours"), "UnknownInput")
         if with_defaults is not None:
             inputs = with_defaults(cls, inputs)
         try:

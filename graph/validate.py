@@ -13,7 +13,10 @@ Where ComfyUI has no check (it would raise and report an exception), we report:
 - a cycle: `dependency_cycle` ("Dependency cycle detected") on every node of it, found with networkx
   (ComfyUI finds it only when executing);
 - a node that is not an object, or whose `inputs` is not an object: `invalid_prompt`, as for a missing
-  `class_type`.
+  `class_type`;
+- a workflow for a model we do not run (FLUX.3 klein, Stable Diffusion, Z-Image, Wan, an API node, ...):
+  `unsupported_model`, "this workflow uses MODEL, which vramgraph does not run", from the evidence in the
+  graph (graph/families.py), before any missing node type is reported.
 Literal conversion is ComfyUI's (`int(v)`, `float(v)`), with two deliberate differences: STRING accepts
 only strings (ComfyUI would `str()` anything) and BOOLEAN only true/false, 0/1 or "true"/"false"
 (ComfyUI's `bool("false")` is True), and FLOAT refuses NaN and infinities. Defaults are not applied here;
@@ -36,6 +39,7 @@ import networkx as nx
 from ..nodes.files import IMAGE_EXTENSIONS, MODEL_EXTENSIONS
 from ..nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible, is_link
 from .errors import ValidationFailed
+from .families import unsupported_model
 
 log = logging.getLogger("vramgraph.validate")
 COMBO = "COMBO"
@@ -366,6 +370,10 @@ def validate(prompt: dict, nodes: Mapping[str, type], folders: Any = None,
     """Validate an API-format prompt against `nodes` (class_type -> class); `outputs` limits the outputs
     run (ComfyUI's partial execution). File lists of COMBO inputs come from `folders`."""
     top = _check_top(prompt, nodes)
+    found = unsupported_model(prompt, nodes, folders) if isinstance(prompt, Mapping) else None
+    if found is not None:  # a workflow for another model: say so, rather than blame a custom node (families.py)
+        return _failed(_err("unsupported_model", found.message, found.details, node_id=found.node,
+                            class_type=found.class_type, family=found.family))
     if top is not None:
         return _failed(top)
     prompt = {str(x): node for x, node in prompt.items()}

@@ -13,8 +13,13 @@ ComfyUI's front end saves (``{"nodes": [...], "links": [...], "definitions": {"s
 - widget values are matched to the class's widget inputs in declaration order, skipping the extra
   values the front end stores after a ``control_after_generate`` widget and an upload widget.
 
+A PNG saved by ComfyUI or by us is a workflow too: its `prompt` text chunk (API format) runs, its
+`workflow` chunk (UI format) is kept for the PNGs the run writes.
+
 Legacy "group nodes" (``workflow>Name``, from ``extra.groupNodes``) are not expanded: they stay in the
-output under their own class_type, so validation reports them as missing node types.
+output under their own class_type, so validation reports them as missing node types. A node of a type we do
+not know keeps its raw widget values in ``_meta.widgets_values`` (it cannot run; validation reads them to say
+which model the workflow is for).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ UI_ONLY_TYPES = NOTE_TYPES | {"Reroute", "PrimitiveNode"}
 WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
 SEED_NAMES = frozenset({"seed", "noise_seed"})  # the front end adds a control widget to these even unasked
 CONTROL_VALUES = frozenset({"fixed", "increment", "decrement", "randomize"})
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class WorkflowFormatError(WorkflowError, ValueError):
@@ -97,6 +103,8 @@ def load_workflow(source: str | Path | Mapping[str, Any], nodes: Mapping[str, ty
         name = "<dict>"
     else:
         name = str(source)
+        if _is_png(Path(source)):
+            return _from_png(Path(source), nodes)
         try:
             data = json.loads(Path(source).read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
@@ -115,6 +123,52 @@ def load_workflow(source: str | Path | Mapping[str, Any], nodes: Mapping[str, ty
     if isinstance(data, Mapping) and "prompt" in data:
         return _from_wrapper(data, nodes, name)
     raise WorkflowFormatError(f"{name} is not a ComfyUI workflow", EXPECTED, {"source": name})
+
+
+def _is_png(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == PNG_SIGNATURE
+    except OSError:
+        return False
+
+
+def _from_png(path: Path, nodes: Mapping[str, type] | None) -> Workflow:
+    """The workflow a PNG carries, as ComfyUI (and our SaveImage) writes it: text chunks `prompt` (API format, what
+    ran) and `workflow` (UI format, what the front end showed). The prompt is run when there is one; the UI
+    workflow is kept for the PNGs this run writes."""
+    from PIL import Image
+
+    name = str(path)
+    try:
+        with Image.open(path) as im:
+            text = dict(getattr(im, "text", {}) or {})
+    except (OSError, SyntaxError, ValueError) as e:
+        raise WorkflowFormatError(f"cannot read the PNG {name} ({e})", "give a PNG saved by ComfyUI or vramgraph",
+                                  {"source": name}) from e
+    found = {}
+    for key in ("prompt", "workflow"):
+        if key in text:
+            try:
+                found[key] = json.loads(text[key])
+            except json.JSONDecodeError as e:
+                raise WorkflowFormatError(f"{name}: its '{key}' text chunk is not JSON ({e})",
+                                          "the PNG's metadata is damaged; use the workflow it was made with",
+                                          {"source": name}) from e
+    if not found:
+        raise WorkflowFormatError(f"{name} carries no workflow", "ComfyUI and vramgraph store the workflow in a "
+                                  "PNG's 'prompt' and 'workflow' text chunks; this PNG has neither (saved by "
+                                  "another program, or its metadata was stripped)", {"source": name})
+    if nodes is None:
+        from ..nodes import ENGINE_NODES
+        nodes = ENGINE_NODES
+    ui = found.get("workflow")
+    ui = ui if is_ui_format(ui) else None
+    if is_api_format(found.get("prompt")):
+        return Workflow(_copy_api(found["prompt"]), ui, name)
+    if ui is not None:
+        return Workflow(ui_to_api(ui, nodes), ui, name)
+    raise WorkflowFormatError(f"{name}: its text chunks hold no workflow", EXPECTED, {"source": name})
 
 
 def _copy_api(data: Mapping[str, Any]) -> dict:
@@ -218,6 +272,7 @@ class _Value:
     """Resolved source: a literal (a legacy PrimitiveNode, or a subgraph instance's promoted widget)."""
 
     value: Any
+    origin: tuple[Any, Any] | None = None  # (widgets_values list or dict, index or key) it is stored at
 
 
 class _Unset:
@@ -238,7 +293,7 @@ class _Scope:
     definition: Mapping[str, Any] | None = None  # the subgraph definition, inside an instance
     instance: Mapping[str, Any] | None = None  # the instance node, in `parent`
     parent: _Scope | None = None
-    promoted: Mapping[str, Any] | None = None  # the instance's widget values by subgraph input name
+    promoted: Mapping[str, tuple[Any, Any, Any]] | None = None  # subgraph input name -> (value, container, key)
 
 
 def _links(raw: Any) -> dict[str, _Link]:
@@ -292,13 +347,16 @@ class _Converter:
     """One conversion: resolves every input to its real source across reroutes, bypasses and subgraph borders."""
 
     def __init__(self, ui: Mapping[str, Any], classes: Mapping[str, type]) -> None:
-        self.classes = classes
+        self.ui, self.classes = ui, classes
         self.subgraphs: dict[str, Mapping[str, Any]] = {}
         self._collect(ui)
         self.out: dict[str, dict[str, Any]] = {}
         self.linked: list[tuple[str, str]] = []  # (API node id, input name) of every input set from a link
         self._slots: dict[str, tuple[WidgetSlot, ...]] = {}
         self._scopes: dict[str, _Scope] = {}
+        # where each API input's value is stored in the UI workflow (graph/uiedit.py writes there):
+        self.widget_at: dict[tuple[str, str], tuple[Any, Any]] = {}  # (id, input) -> (widgets_values, index/key)
+        self.source_at: dict[tuple[str, str], tuple] = {}  # ("value", container, key) or ("link", scope, node, i)
 
     def _collect(self, graph: Mapping[str, Any]) -> None:
         definitions = graph.get("definitions")
@@ -355,14 +413,14 @@ class _Converter:
                     break
         values = instance.get("widgets_values")
         if isinstance(values, Mapping):
-            return {n: values[n] for n in names if n in values}
+            return {n: (values[n], values, n) for n in names if n in values}
         if not isinstance(values, list) or not values:
             return {}
         if len(values) != len(names):
             log.warning("subgraph instance %s stores %d widget values for %d promoted widgets (%s); using the "
                         "inner nodes' own values", where, len(values), len(names), ", ".join(map(str, names)))
             return {}
-        return dict(zip(names, values, strict=True))
+        return {n: (values[i], values, i) for i, n in enumerate(names)}
 
     # -- resolution
 
@@ -386,7 +444,8 @@ class _Converter:
             if inp.get("name") == name and inp.get("link") is not None:
                 return self.resolve_input(inner.parent, inner.instance, j, seen)
         if inner.promoted and name in inner.promoted:
-            return _Value(inner.promoted[name])
+            value, container, key = inner.promoted[name]
+            return _Value(value, (container, key))
         return UNSET
 
     def resolve_output(self, scope: _Scope, node_id: str, slot: int, seen: set) -> _Source:
@@ -401,8 +460,9 @@ class _Converter:
         if kind == "PrimitiveNode":
             values = node.get("widgets_values")
             if isinstance(values, list) and values:
-                return _Value(values[0])
-            return _Value(values["value"]) if isinstance(values, Mapping) and "value" in values else None
+                return _Value(values[0], (values, 0))
+            return _Value(values["value"], (values, "value")) if isinstance(values, Mapping) and "value" in values \
+                else None
         if kind in NOTE_TYPES or node.get("mode") == MODE_NEVER:
             return None
         if node.get("mode") == MODE_BYPASS:
@@ -433,11 +493,22 @@ class _Converter:
 
     def emit_node(self, scope: _Scope, node_id: str, node: Mapping[str, Any], kind: str) -> None:
         inputs: dict[str, Any] = {}
+        meta: dict[str, Any] = {"title": node.get("title") or kind}
         cls = self.classes.get(kind)
+        if cls is None and isinstance(node.get("widgets_values"), list | Mapping):
+            # a type we do not know: its widgets cannot be named, but what they hold (a model file, a loader's type)
+            # tells validation which model the workflow is for (graph/families.py)
+            meta["widgets_values"] = copy.deepcopy(node["widgets_values"])
         if cls is not None:
             if kind not in self._slots:
                 self._slots[kind] = widget_slots(cls)
             inputs.update(copy.deepcopy(widget_values(node, self._slots[kind])))
+            stored = node.get("widgets_values")
+            if isinstance(stored, Mapping):
+                self.widget_at.update({(scope.prefix + node_id, name): (stored, name) for name in inputs})
+            elif isinstance(stored, list):
+                self.widget_at.update({(scope.prefix + node_id, slot.name): (stored, i)
+                                       for slot, i in widget_positions(self._slots[kind], stored)})
         for index, inp in enumerate(node.get("inputs") or ()):
             name = inp.get("name")
             if name is None or inp.get("link") is None:
@@ -450,14 +521,22 @@ class _Converter:
             elif isinstance(source, _Out):
                 inputs[name] = [source.node, source.slot]
                 self.linked.append((scope.prefix + node_id, name))
+                self.source_at[(scope.prefix + node_id, name)] = ("link", scope, node, index)
             else:
                 inputs[name] = copy.deepcopy(source.value)
-        self.out[scope.prefix + node_id] = {"inputs": inputs, "class_type": kind,
-                                            "_meta": {"title": node.get("title") or kind}}
+                if source.origin is not None:
+                    self.source_at[(scope.prefix + node_id, name)] = ("value", *source.origin)
+        self.out[scope.prefix + node_id] = {"inputs": inputs, "class_type": kind, "_meta": meta}
 
 
 def ui_to_api(ui: Mapping[str, Any], nodes: Mapping[str, type]) -> dict:
     """Convert a UI-format workflow to the API format, as ComfyUI's front end does when queueing it."""
+    return convert(ui, nodes).out
+
+
+def convert(ui: Mapping[str, Any], nodes: Mapping[str, type]) -> _Converter:
+    """`ui_to_api`'s converter after the conversion: `.out` is the API prompt, `.widget_at` and `.source_at` say
+    where in `ui` each input's value came from."""
     if not is_ui_format(ui):
         raise WorkflowFormatError("not a UI-format workflow", EXPECTED)
     conv = _Converter(ui, nodes)
@@ -466,7 +545,7 @@ def ui_to_api(ui: Mapping[str, Any], nodes: Mapping[str, type]) -> dict:
         value = conv.out[node_id]["inputs"].get(name)
         if is_link(value) and value[0] not in conv.out:
             del conv.out[node_id]["inputs"][name]
-    return conv.out
+    return conv
 
 
 __all__ = ["Workflow", "WorkflowFormatError", "is_api_format", "is_ui_format", "load_workflow", "ui_to_api",

@@ -1,14 +1,23 @@
 """SaveImage and PreviewImage: PNGs with ComfyUI-readable `prompt` and `workflow` text chunks.
 
-Files are named as ComfyUI names them (`{prefix}_{counter:05}_.png`, the counter continuing after
-the files already there); a prefix may name a subfolder but never leaves the output folder. Each PNG
-is written to a temporary name and renamed, so a failed run never leaves a half-written image.
+As ComfyUI's nodes.py and folder_paths.get_save_image_path do it:
+- files are named `{prefix}_{counter:05}_.png`, the counter one past the highest of the files already
+  there whose name is `{prefix}_<digits>_...` (any extension); `%width%`, `%height%`, `%year%`, `%month%`,
+  `%day%`, `%hour%`, `%minute%`, `%second%` in the prefix and `%batch_num%` in its last part are filled in;
+  a prefix may name a subfolder (the ui entry's `subfolder`) but never leaves the output folder;
+- the text chunks are `prompt` (the API-format prompt, `json.dumps`) and then one per `extra_pnginfo` key
+  (the front end sends `workflow`, the UI-format graph), each `json.dumps`; we add `seed`;
+- SaveImage writes to the output folder (ui type "output"); PreviewImage to the temp folder (type "temp")
+  under the prefix `ComfyUI_temp_` + five random letters, drawn anew for each node instance.
+Each PNG is written to a temporary name and renamed, so a failed run never leaves a half-written image.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +31,21 @@ COMPRESS_LEVEL = 1  # zlib level (ComfyUI: 4); on a smooth 1024² picture: files
 HIDDEN = {"prompt": "PROMPT", "extra_pnginfo": "EXTRA_PNGINFO", "vg": "VG_CONTEXT"}
 
 
+TEMP_LETTERS = "abcdefghijklmnopqrstupvxyz"  # ComfyUI's alphabet for PreviewImage's prefix (its "u" twice, no "w")
+
+
+def fill_prefix(prefix: str, width: int, height: int, now: time.struct_time | None = None) -> str:
+    """ComfyUI's server-side prefix variables (%width%, %height% of the first image; the local time's parts)."""
+    if "%" not in prefix:
+        return prefix
+    t = now or time.localtime()
+    for key, value in (("width", width), ("height", height), ("year", t.tm_year), ("month", f"{t.tm_mon:02}"),
+                       ("day", f"{t.tm_mday:02}"), ("hour", f"{t.tm_hour:02}"), ("minute", f"{t.tm_min:02}"),
+                       ("second", f"{t.tm_sec:02}")):
+        prefix = prefix.replace(f"%{key}%", str(value))
+    return prefix
+
+
 def _target(root: Path, prefix: str) -> tuple[Path, str]:
     folder = (root / prefix).parent.resolve()
     if not folder.is_relative_to(root.resolve()):
@@ -30,8 +54,12 @@ def _target(root: Path, prefix: str) -> tuple[Path, str]:
 
 
 def next_counter(folder: Path, name: str) -> int:
-    pat = re.compile(re.escape(name) + r"_(\d+)_\.png$")
-    found = [int(m.group(1)) for p in folder.glob(f"{name}_*_.png") if (m := pat.match(p.name))]
+    """One past the highest counter of the files `{name}_<digits>` or `{name}_<digits>_...` in `folder`."""
+    pat = re.compile(re.escape(name) + r"_(\d+)(?:_|$)")
+    try:
+        found = [int(m.group(1)) for p in folder.iterdir() if (m := pat.match(p.name))]
+    except FileNotFoundError:
+        return 1
     return max(found, default=0) + 1
 
 
@@ -41,6 +69,8 @@ def save_images(images: torch.Tensor, root: Path, prefix: str, kind: str, prompt
     from . import ops, png
 
     root = Path(root)
+    if len(images):
+        prefix = fill_prefix(prefix, int(images[0].shape[1]), int(images[0].shape[0]))
     folder, name = _target(root, prefix)
     folder.mkdir(parents=True, exist_ok=True)
     text = {}
@@ -52,8 +82,8 @@ def save_images(images: torch.Tensor, root: Path, prefix: str, kind: str, prompt
         text["seed"] = str(seed)
     counter = next_counter(folder, name)
     results = []
-    for pixels in ops.to_uint8(images):
-        path = folder / f"{name}_{counter:05}_.png"
+    for batch_number, pixels in enumerate(ops.to_uint8(images)):
+        path = folder / f"{name.replace('%batch_num%', str(batch_number))}_{counter:05}_.png"
         png.write(path, pixels, text, COMPRESS_LEVEL)
         sub = folder.relative_to(root.resolve()).as_posix()
         results.append({"filename": path.name, "subfolder": "" if sub == "." else sub, "type": kind})
@@ -88,6 +118,9 @@ class SaveImage:
 class PreviewImage(SaveImage):
     KIND = "temp"
 
+    def __init__(self) -> None:
+        self.prefix_append = "_temp_" + "".join(random.choice(TEMP_LETTERS) for _ in range(5))
+
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
         return {"required": {"images": (IMAGE,)}, "hidden": HIDDEN}
@@ -96,6 +129,6 @@ class PreviewImage(SaveImage):
     def vg_estimate(cls, env: Any, images: Any) -> Cost:
         return Cost(())
 
-    def save_images(self, images: torch.Tensor, filename_prefix: str = "ComfyUI_temp", prompt: Any = None,
+    def save_images(self, images: torch.Tensor, filename_prefix: str = "ComfyUI", prompt: Any = None,
                     extra_pnginfo: dict | None = None, vg: Any = None) -> dict:
-        return super().save_images(images, "ComfyUI_temp_preview", prompt, extra_pnginfo, vg)
+        return super().save_images(images, filename_prefix + self.prefix_append, prompt, extra_pnginfo, vg)

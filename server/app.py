@@ -60,17 +60,23 @@ def add_comfy_routes(routes: web.RouteTableDef) -> None:
     """Inside ComfyUI (called by the pack's __init__): POST /vramgraph/plan for the front-end panel.
 
     The planning engine is made on first use from ComfyUI's folders and device; it plans with the files'
-    real sizes, or the built-in klein sizes when a file is absent. It runs nothing.
+    real sizes, or the built-in klein sizes when a file is absent, and ComfyUI's node types we do not implement
+    with stand-ins (nodes/foreign.py). It runs nothing.
     """
     made: list[Any] = []
     lock = threading.Lock()
 
     def planner() -> Any:
-        if not made:
+        if not made:  # on the first plan, when ComfyUI has loaded its nodes and every pack's
             from ..graph.executor import Engine
+            from ..nodes import ENGINE_NODES
             from ..nodes.comfy import comfy_folders
+            from ..nodes.foreign import comfy_stand_ins
 
-            made.append(Engine(comfy_folders(), device=str(_comfy_device()), allow_builtin=True))
+            # a graph there mixes our nodes with ComfyUI's: the core types we implement are planned as ours, the
+            # others by stand-ins made from ComfyUI's own declarations (nodes/foreign.py), named in the answer
+            nodes = {**comfy_stand_ins(ENGINE_NODES), **ENGINE_NODES}
+            made.append(Engine(comfy_folders(), device=str(_comfy_device()), allow_builtin=True, nodes=nodes))
         return made[0]
 
     async def plan(request: web.Request) -> web.Response:

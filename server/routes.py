@@ -309,11 +309,13 @@ class Routes:
 
 
 async def plan_response(request: web.Request, planner: Callable[[], Any], lock: threading.Lock) -> web.Response:
-    """POST {"prompt": API format, "name"?: workflow name} -> {"plan", "timeline", "svg", "table"} (svg: the plan's
-    picture, the same drawing as `vramgraph plan --svg`), or ComfyUI's error body (HTTP 400)."""
-    from ..graph.errors import ValidationFailed
+    """POST {"prompt": API format, "name"?: workflow name} -> {"plan", "timeline", "svg", "table", "unplanned"} (svg:
+    the plan's picture, the same drawing as `vramgraph plan --svg`; unplanned: the nodes planned by stand-ins,
+    nodes/foreign.py), or ComfyUI's error body (HTTP 400)."""
+    from ..graph.errors import NodeExecutionError, ValidationFailed, VramgraphError
     from ..graph.planner import PlanError
     from ..graph.timeline import timeline_data, timeline_svg
+    from ..nodes.foreign import unplanned
 
     try:  # inside ComfyUI (add_comfy_routes) no middleware of ours answers a BadRequest
         body = await _body(request)
@@ -328,18 +330,20 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
             engine = planner()
             prep = engine.prepare(prompt)
             return prep.plan, timeline_svg(prep.plan, str(body.get("name") or ""), card=engine.budget.card,
-                                           prompt=prep.prompt)
+                                           prompt=prep.prompt), unplanned(prep.prompt, engine.nodes)
 
     try:
-        plan, svg = await asyncio.get_running_loop().run_in_executor(None, run)
+        plan, svg, stand_ins = await asyncio.get_running_loop().run_in_executor(None, run)
     except ValidationFailed as e:
         return web.json_response(e.response, status=400, dumps=_dumps)
     except PlanError as e:
         return web.json_response({"error": e.to_dict(), "node_errors": {}}, status=400)
+    except NodeExecutionError as e:  # a node that cannot be estimated ahead of time: the error names it
+        return web.json_response({"error": VramgraphError.to_dict(e), "node_errors": {}}, status=400, dumps=_dumps)
     except (OSError, ValueError) as e:
         return _json_error(400, str(e), "plan_failed")
     return web.json_response({"plan": plan.to_json(), "timeline": timeline_data(plan), "svg": svg,
-                              "table": plan.table()}, dumps=_dumps)
+                              "table": plan.table(), "unplanned": stand_ins}, dumps=_dumps)
 
 
 _dumps = dumps  # JSON a browser can parse (no NaN)

@@ -286,6 +286,8 @@ def test_comfyui_panel_shows_the_same_drawing(browser, server, tmp_path):
     (site / "scripts" / "app.js").write_text(STUB_APP)
     (site / "scripts" / "api.js").write_text(STUB_API)
     shutil.copytree(ROOT / "web", site / "extensions" / "vramgraph")
+    assert body["unplanned"] == []  # inside ComfyUI, the nodes planned by stand-ins (test_comfy_pack) are named:
+    body["unplanned"] = [{"node": "12", "class_type": "ImageScaleBy", "note": "ComfyUI's own node"}]
     (site / "plan.json").write_text(json.dumps(body))
     (site / "index.html").write_text('<!doctype html><meta charset="utf-8"><body>'
                                      '<script type="module" src="/extensions/vramgraph/vramgraph_panel.js"></script>')
@@ -302,6 +304,7 @@ def test_comfyui_panel_shows_the_same_drawing(browser, server, tmp_path):
         _wait(drv, "the panel's picture", "return document.querySelector('#vramgraph-plan-panel svg .title') !== null",
               30)
         got = drv.execute_script(TEXT_BOXES, "#vramgraph-plan-panel svg")
+        summary = drv.execute_script("return document.querySelector('#vramgraph-plan-panel .vg-summary').textContent")
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -309,3 +312,4 @@ def test_comfyui_panel_shows_the_same_drawing(browser, server, tmp_path):
     assert got["texts"] == ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
     assert got["ids"] == [e.get("id") for e in root.iter() if e.get("id")]
     assert got["overlaps"] == [] and got["outside"] == []
+    assert summary.endswith("not planned (ComfyUI runs them, their GPU memory is not counted): 12 ImageScaleBy")

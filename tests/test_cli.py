@@ -74,7 +74,12 @@ def test_run_writes_a_png_with_its_prompt_and_seed(name: str, tiny_models: Path,
 
 
 def test_run_ui_format_embeds_the_workflow(tiny_models: Path, input_dir: Path, tmp_path: Path) -> None:
-    """A UI-format file (ComfyUI's text-to-image template, a subgraph) also gets the `workflow` chunk: the file."""
+    """A UI-format file (ComfyUI's text-to-image template, a subgraph) also gets the `workflow` chunk: the file with
+    the --set values written where the UI keeps them, so that ComfyUI opening the PNG queues the prompt that ran;
+    and the PNG itself runs again (`vramgraph run picture.png`) to the same picture."""
+    from vramgraph.graph.workflow import ui_to_api
+    from vramgraph.nodes import ENGINE_NODES
+
     src = template("image_flux2_klein_text_to_image.json")
     sets = ["--set", "75:68.value=64", "--set", "75:69.value=64", "--set", "75:62.steps=2"]
     rc = main(["run", str(src), "--models", str(tiny_models), "--input", str(input_dir), "-o", str(tmp_path), *sets])
@@ -82,9 +87,22 @@ def test_run_ui_format_embeds_the_workflow(tiny_models: Path, input_dir: Path, t
     (png,) = png_files(tmp_path)
     size, text = text_chunks(png)
     assert size == (64, 64)
-    assert json.loads(text["workflow"]) == json.loads(src.read_text())
-    assert json.loads(text["prompt"]) == expected_prompt(src, sets)
+    expected = expected_prompt(src, sets)
+    assert json.loads(text["prompt"]) == expected
+    workflow = json.loads(text["workflow"])
+    assert ui_to_api(workflow, ENGINE_NODES) == expected  # the values that ran, not the file's 1024 and 4 steps
+    assert ui_to_api(json.loads(src.read_text()), ENGINE_NODES) != expected
+    assert {k: v for k, v in workflow.items() if k != "definitions"} == {
+        k: v for k, v in json.loads(src.read_text()).items() if k != "definitions"}  # only widget values changed
     assert text["seed"] == "0"
+
+    again = tmp_path / "again"
+    assert main(["run", str(png), "--models", str(tiny_models), "--input", str(input_dir), "-o", str(again)]) == 0
+    (png2,) = png_files(again)
+    size2, text2 = text_chunks(png2)
+    assert size2 == (64, 64) and json.loads(text2["prompt"]) == expected and json.loads(text2["workflow"]) == workflow
+    with Image.open(png) as a, Image.open(png2) as b:
+        assert a.tobytes() == b.tobytes()
 
 
 def test_set_with_an_unknown_node_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -86,8 +86,46 @@ def _fake_comfyui(root: Path, models: Path, device: str = "cpu") -> tuple[dict, 
 
     server = types.ModuleType("server")
     server.PromptServer = type("PromptServer", (), {"instance": types.SimpleNamespace(routes=web.RouteTableDef())})
+
+    class ImageScaleBy:  # ComfyUI's own node classes, declared as ComfyUI declares them (INPUT_TYPES() takes nothing)
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"image": ("IMAGE",), "upscale_method": (["nearest-exact", "bilinear"],),
+                                 "scale_by": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 8.0})}}
+
+        RETURN_TYPES = ("IMAGE",)
+        FUNCTION = "upscale"
+
+    class SaveAnimatedWEBP:
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"images": ("IMAGE",), "filename_prefix": ("STRING", {"default": "ComfyUI"})},
+                    "hidden": {"prompt": "PROMPT"}}
+
+        RETURN_TYPES = ()
+        OUTPUT_NODE = True
+        FUNCTION = "save"
+
+    class LoraLoaderModelOnly:
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"model": ("MODEL",), "lora_name": (["style.safetensors"],),
+                                 "strength_model": ("FLOAT", {"default": 1.0})}}
+
+        RETURN_TYPES = ("MODEL",)
+        FUNCTION = "load_lora"
+
+    class Broken:
+        @classmethod
+        def INPUT_TYPES(cls):
+            raise RuntimeError("needs more of ComfyUI")
+
+    nodes = types.ModuleType("nodes")  # ComfyUI's nodes.py: its core nodes and every loaded pack's, ours too
+    nodes.NODE_CLASS_MAPPINGS = {"ImageScaleBy": ImageScaleBy, "SaveAnimatedWEBP": SaveAnimatedWEBP, "Broken": Broken,
+                                 "LoraLoaderModelOnly": LoraLoaderModelOnly,
+                                 "SaveImage": SaveAnimatedWEBP}  # a core type we implement is planned as ours
     return {"folder_paths": fp, "comfy": comfy, "comfy.model_management": mm, "comfy.utils": utils,
-            "server": server}, calls
+            "server": server, "nodes": nodes}, calls
 
 
 def _load_pack(name: str) -> types.ModuleType:
@@ -157,9 +195,60 @@ def test_plan_route_is_added_to_comfyui_server(pack):
         body = r.json()
         assert {s["kind"] for s in body["plan"]["steps"]} >= {"run", "load"}
         assert len(body["timeline"]["models"]) == 3
+        assert body["unplanned"] == []
         bad = requests.post(srv.url + "/vramgraph/plan", json={"prompt": {"1": {"class_type": "Nope", "inputs": {}}}},
                             timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "missing_node_type"
+
+
+def test_plan_panel_plans_graphs_that_mix_vg_and_comfyui_nodes(pack):
+    """VG nodes beside ComfyUI's: the core types we implement (LoadImage, SaveImage, PreviewImage, ...) are planned
+    as ours, the others by stand-ins from ComfyUI's declarations, and the answer names them."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.add_routes(pack.stubs["server"].PromptServer.instance.routes)
+    prompt = json.loads((ROOT / "workflows" / "edit.json").read_text())
+    prompt["5"]["inputs"].update(width=64, height=64)
+    Image.new("RGB", (48, 32), (200, 40, 40)).save(pack.root / "input" / "ref.png")
+    prompt["10"] = {"class_type": "LoadImage", "inputs": {"image": "ref.png"}}  # core, ours
+    prompt["12"] = {"class_type": "ImageScaleBy", "inputs": {"image": ["10", 0], "upscale_method": "bilinear",
+                                                             "scale_by": 1.0}}  # ComfyUI's only
+    prompt["11"]["inputs"]["image"] = ["12", 0]
+    prompt["8"] = {"class_type": "SaveImage", "inputs": {"images": ["7", 0], "filename_prefix": "mixed"}}
+    prompt["13"] = {"class_type": "PreviewImage", "inputs": {"images": ["7", 0]}}
+    prompt["14"] = {"class_type": "SaveAnimatedWEBP", "inputs": {"images": ["7", 0], "filename_prefix": "anim"}}
+    import requests
+
+    with sys.modules[pack.__name__ + ".server.app"].ServerThread(app) as srv:
+        r = requests.post(srv.url + "/vramgraph/plan", json={"prompt": prompt}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [(u["node"], u["class_type"]) for u in body["unplanned"]] == [("12", "ImageScaleBy"),
+                                                                            ("14", "SaveAnimatedWEBP")]
+        assert all("not in this plan" in u["note"] for u in body["unplanned"])
+        ran = {s["node"] for s in body["plan"]["steps"] if s["kind"] == "run"}
+        assert ran >= {"6", "7", "8", "10", "11", "12", "13", "14"}
+        assert len(body["timeline"]["models"]) == 3
+        # ComfyUI's declarations are checked as ComfyUI would check them
+        prompt["12"]["inputs"]["scale_by"] = 99
+        bad = requests.post(srv.url + "/vramgraph/plan", json={"prompt": prompt}, timeout=60)
+        assert bad.status_code == 400
+        assert bad.json()["node_errors"]["12"]["errors"][0]["type"] == "value_bigger_than_max"
+        prompt["12"]["inputs"]["scale_by"] = 1.0
+        prompt["12"]["class_type"] = "Broken"  # a declaration that cannot be read: a missing type, as before
+        bad = requests.post(srv.url + "/vramgraph/plan", json={"prompt": prompt}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "missing_node_type"
+        # ComfyUI's node between our loader and our sampler: our sampler cannot be sized, and the answer says why
+        core = json.loads((ROOT / "workflows" / "core_text_to_image.json").read_text())
+        lora = {"model": ["1", 0], "lora_name": "style.safetensors", "strength_model": 1.0}
+        core["20"] = {"class_type": "LoraLoaderModelOnly", "inputs": lora}
+        core["6"]["inputs"]["model"] = ["20", 0]
+        bad = requests.post(srv.url + "/vramgraph/plan", json={"prompt": core}, timeout=60)
+        assert bad.status_code == 400, bad.text
+        error = bad.json()["error"]
+        assert error["extra_info"]["node_id"] == "6"
+        assert "comes from node 20 (LoraLoaderModelOnly), ComfyUI's own node" in error["message"]
 
 
 def _heavy(pack, fn, *args, **kwargs):

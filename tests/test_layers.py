@@ -23,9 +23,9 @@ MAY_IMPORT = {"cli": {"graph", "nodes", "models"}, "server": {"graph", "nodes", 
               "graph": {"nodes", "models"}, "nodes": {"models"}, "models": set()}
 PURE = [
     "graph.workflow", "graph.validate", "graph.estimate", "graph.planner", "graph.planning", "graph.timeline",
-    "graph.errors", "graph.budget", "graph.queue", "graph.runtime", "graph.early",
+    "graph.errors", "graph.budget", "graph.queue", "graph.runtime", "graph.early", "graph.families",
     "nodes", "nodes.types", "nodes.estimates", "nodes.catalog", "nodes.files", "nodes.core", "nodes.vg",
-    "nodes.output", "nodes.comfy",
+    "nodes.output", "nodes.comfy", "nodes.foreign", "graph.uiedit",
     "models.dtypes", "models.headers", "models.loading", "models.flux2_config", "models.qwen3_config",
     "models.vae_config",
 ]

@@ -66,6 +66,11 @@ async function showPlan() {
   const plan = data.plan;
   summary.textContent = `${plan.steps.length} steps, ${plan.loads} loads, peak ` +
     `${(plan.peak / 2 ** 30).toFixed(2)} of ${(plan.budget.gpu / 2 ** 30).toFixed(2)} GiB`;
+  const others = data.unplanned || [];  // ComfyUI's own node types we do not implement: planned as stand-ins
+  if (others.length) {
+    summary.textContent += `; not planned (ComfyUI runs them, their GPU memory is not counted): ` +
+      others.map((n) => `${n.node} ${n.class_type}`).join(", ");
+  }
   try {
     const { showTimeline } = await import("./timeline.mjs");
     showTimeline(picture, data.svg);

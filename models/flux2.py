@@ -238,6 +238,10 @@ class Flux2Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.img_in.weight.dtype
 
+    def streamed_blocks(self) -> list[nn.Module]:
+        """The blocks in the order a forward pass runs them (models/streaming.py streams some of them)."""
+        return [*self.double_blocks, *self.single_blocks]
+
     def forward(self, img: torch.Tensor, txt: torch.Tensor, sigma: torch.Tensor, rope: torch.Tensor,
                 n_target: int | None = None) -> torch.Tensor:
         """Velocity for the first `n_target` image tokens.

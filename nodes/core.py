@@ -161,7 +161,7 @@ class CLIPTextEncode:
         vg = vg or comfy_context(self)
         if vg.variant == "stream":
             emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device,
-                                           vg.check_interrupted)
+                                           vg.check_interrupted, resident=vg.resident_blocks(clip))
         else:
             emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text], vg.check_interrupted)
         return (conditioning(emb),)
@@ -316,9 +316,9 @@ class EmptyFlux2LatentImage:
 def _sampling_cost(model: ModelInfo, positive: CondInfo, negative: CondInfo | None, cfg: float,
                    latent: LatentInfo, steps: int, outputs: tuple) -> Cost:
     cfg_batch = 2 if negative is not None and cfg != 1.0 else 1
-    opt = estimates.sampling(model, latent, positive, cfg_batch, steps)
+    options = estimates.sampling_variants(model, latent, positive, cfg_batch, steps)
     nbytes = latent.batch * latent.channels * latent.height * latent.width * 4
-    return Cost(outputs, (opt,), host_bytes=nbytes * len(outputs))
+    return Cost(outputs, options, host_bytes=nbytes * len(outputs))
 
 
 def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: list, negative: list | None,
@@ -336,9 +336,14 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
             raise ValueError("the negative conditioning must carry the same reference latents as the positive "
                              "(apply the same ReferenceLatent nodes to both) when cfg != 1")
     sigmas = torch.tensor(sigmas, dtype=torch.float32).tolist()  # float32 as ComfyUI's SIGMAS, whichever node made them
-    out = ops.run_sampler(vg.module(model), noise.generate_noise(latent), latent["samples"], pos, neg, cfg,
-                          sigmas, refs, progress=vg.progress, preview=getattr(vg, "preview", None))
-    return {"samples": out}
+    args = (noise.generate_noise(latent), latent["samples"], pos, neg, cfg, sigmas, refs)
+    kw = {"progress": vg.progress, "preview": getattr(vg, "preview", None)}
+    if vg.variant == "stream":  # the plan keeps some blocks on the GPU and streams the others every step
+        from ..models.streaming import stream_blocks
+
+        with stream_blocks(vg.host_module(model), vg.device, vg.resident_blocks(model)) as m:
+            return {"samples": ops.run_sampler(m, *args, **kw)}
+    return {"samples": ops.run_sampler(vg.module(model), *args, **kw)}
 
 
 class SamplerCustomAdvanced:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 
+from ..models import flux2_config, qwen3_config
 from ..models.dtypes import COMPUTE, itemsize
-from .types import CondInfo, LatentInfo, ModelInfo, Variant
+from .types import Blocks, CondInfo, LatentInfo, ModelInfo, Variant
 
 GiB = 2**30
 MARGIN = 1.04
@@ -38,6 +39,11 @@ TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 17.08
 # Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes.
 DIT_SECONDS_PER_TOKEN_STEP = 0.083 / 4608  # one step at 1024² (4096 image + 512 text tokens)
 TE_SECONDS_PER_PROMPT = 0.033
+# One transformer block's compute in one sampling step, per token of one image, at klein-4B width (other widths
+# scale by hidden²): a double block runs each token through one stream's weights, a single block through its own,
+# the same 13·hidden² weights per token, so both kinds take about the same time at twice the bytes for a double.
+DIT_DOUBLE_SECONDS_PER_TOKEN = DIT_SECONDS_PER_TOKEN_STEP / 25
+DIT_SINGLE_SECONDS_PER_TOKEN = DIT_SECONDS_PER_TOKEN_STEP / 25
 VAE_DECODE_SECONDS_PER_MPIXEL = 0.086
 VAE_ENCODE_SECONDS_PER_MPIXEL = 0.05
 CPU_DECODE_SECONDS_PER_MPIXEL = 134.0  # the C engine's CPU fallback at 1024² that started this project
@@ -98,8 +104,26 @@ def tile_pixels(batch: int, height: int, width: int) -> int:
     return batch * largest_tile(height) * largest_tile(width) * 256
 
 
+def _grouped(shapes: dict[str, tuple[int, ...]], prefixes: tuple[str, ...], nbytes: int) -> tuple[list[int], int]:
+    """Bytes of each block (parameters named `prefix<i>.`, in the order of `prefixes` then i) and of the rest,
+    scaled so that all of them add up to the model's `nbytes` (its stored item size)."""
+    numel = {k: math.prod(v) for k, v in shapes.items()}
+    per = nbytes / max(1, sum(numel.values()))
+    sizes: dict[str, int] = {}
+    rest = 0
+    for k, n in numel.items():
+        head = next((p for p in prefixes if k.startswith(p)), None)
+        if head is None:
+            rest += n
+            continue
+        block = head + k[len(head):].split(".", 1)[0]
+        sizes[block] = sizes.get(block, 0) + n
+    return [math.ceil(n * per) for n in sizes.values()], math.ceil(rest * per)
+
+
 def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...]:
-    """Resident on the GPU, or streamed layer by layer from pinned host memory (two layers on the GPU at once)."""
+    """Resident on the GPU, or streamed layer by layer from pinned host memory (the plan keeps some layers on the
+    GPU for the node when there is room; the embedding stays in host memory)."""
     cfg = model.config
     hidden = cfg.hidden_size if cfg is not None else 2560
     item = _itemsize(model.dtype)
@@ -107,11 +131,12 @@ def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...
     gpu = Variant("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
     if cfg is None or not model.nbytes:
         return (gpu,)
-    embed = cfg.vocab_size * hidden * item
-    layer = (model.nbytes - embed) / max(1, cfg.n_built)
-    stream = Variant("stream", (), _margin(act + 2 * layer + batch * tokens * hidden * item * 4),
-                    TE_SECONDS_PER_PROMPT * batch, streams=(model.key,),
-                    note="streams the text encoder from pinned host memory, layer by layer")
+    sizes, _ = _grouped(qwen3_config.parameter_shapes(cfg), ("layers.",), model.nbytes)
+    per_layer = TE_SECONDS_PER_PROMPT * batch / len(sizes)
+    blocks = Blocks(model.key, tuple(sizes), (per_layer,) * len(sizes), 0,
+                    _margin(act + batch * tokens * hidden * item * 4), 1, "encode")
+    stream = Variant("stream", (), blocks.min_gpu(), TE_SECONDS_PER_PROMPT * batch, streams=(model.key,),
+                     note="streams the text encoder from pinned host memory, layer by layer", blocks=blocks)
     return (gpu, stream)
 
 
@@ -121,14 +146,32 @@ def sampler_tokens(latent: LatentInfo, positive: CondInfo) -> int:
 
 def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch: int, steps: int) -> Variant:
     """All steps of the sampler: the peak of one step (steps run one after another)."""
-    hidden = model.config.hidden if model.config is not None else 3072
+    return sampling_variants(model, latent, positive, cfg_batch, steps)[0]
+
+
+def sampling_variants(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch: int,
+                      steps: int) -> tuple[Variant, ...]:
+    """The transformer resident ("gpu"), or streamed block by block from its pinned host copy with the blocks
+    that fit kept on the GPU for the node ("stream")."""
+    cfg = model.config
+    hidden = cfg.hidden if cfg is not None else 3072
     item = _itemsize(model.dtype)
     tokens = sampler_tokens(latent, positive)
     batch = latent.batch * cfg_batch
     act = sampling_bytes(batch, tokens, hidden, item)
     act += 2 * latent.batch * latent.height * latent.width * latent.channels * 4  # step preview: x0 and its RGB
     seconds = DIT_SECONDS_PER_TOKEN_STEP * tokens * batch * steps * _param_scale(model)
-    return Variant("gpu", (model.key,), _margin(act), seconds)
+    gpu = Variant("gpu", (model.key,), _margin(act), seconds)
+    if cfg is None or not model.nbytes:
+        return (gpu,)
+    sizes, fixed = _grouped(flux2_config.parameter_shapes(cfg), ("double_blocks.", "single_blocks."), model.nbytes)
+    scale = tokens * batch * (hidden / 3072) ** 2
+    secs = (DIT_DOUBLE_SECONDS_PER_TOKEN * scale,) * cfg.depth_double + \
+        (DIT_SINGLE_SECONDS_PER_TOKEN * scale,) * cfg.depth_single
+    blocks = Blocks(model.key, tuple(sizes), secs, fixed, _margin(act), steps, "step")
+    stream = Variant("stream", (), blocks.min_gpu(), seconds, streams=(model.key,), blocks=blocks,
+                     note="streams the transformer blocks that do not fit from pinned host memory")
+    return (gpu, stream)
 
 
 def _param_scale(model: ModelInfo) -> float:

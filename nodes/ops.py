@@ -33,9 +33,10 @@ def encode_text(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[s
 
 
 def encode_text_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[str],
-                         device: torch.device, between: Between = None) -> torch.Tensor:
-    """The encoder's weights stay in pinned host memory and stream through `device` one layer at a time."""
-    return encode_prompts_streamed(encoder, tokenizer, texts, device, between).cpu()
+                         device: torch.device, between: Between = None, resident: tuple[int, ...] = ()) -> torch.Tensor:
+    """The encoder's weights stay in pinned host memory and stream through `device` one layer at a time (the
+    `resident` layers are copied once for the node)."""
+    return encode_prompts_streamed(encoder, tokenizer, texts, device, between, resident).cpu()
 
 
 @torch.no_grad()

@@ -14,9 +14,9 @@ before it is done and, if streamed, its copy has landed. The resident upload com
 third repeat the third's duration (the pipeline is periodic by then).
 
 `choose` minimises that time under the memory the node may use: for every count of streamed blocks per kind
-of block (same size and time), the streamed ones spread evenly among their kind, then a local search moves
-streamed blocks to neighbouring positions while that helps. tests/test_residency.py checks it against brute
-force on small cases.
+of block (same size and time), the streamed ones spread evenly among their kind; from the best few of those a
+local search (stream one block more or fewer, or swap a streamed and a resident block) goes on while that helps.
+tests/test_residency.py checks it against brute force on small cases.
 """
 
 from __future__ import annotations
@@ -31,9 +31,13 @@ if TYPE_CHECKING:
 
 GiB = 2**30
 # The share of the pinned host->GPU bandwidth (CostModel.h2d_pinned, one 2 GiB copy) that block-sized copies of
-# separate tensors reach while the other stream computes. Measured on the H200 by bench/streaming.py (its
-# "constants" section: copy of one klein-4B single block, 16 tensors, concurrent with a block's compute).
-STREAM_COPY_EFFICIENCY = 0.9
+# separate tensors reach while the other stream computes. Measured on the H200 by bench/streaming.py
+# (bench/results/streaming.json, "constants"): a klein-4B single block (234 MiB, 4 tensors) copies at 55.1 GB/s
+# alone (0.996 of the 55.35 GB/s of one 2 GiB copy); a copy and a 3.25 ms single-block compute side by side take
+# 4.94 ms, i.e. 49.7 GB/s of copy with the compute hidden: 0.897 of pinned.
+STREAM_COPY_EFFICIENCY = 0.897
+SEEDS = 3  # the local search starts from the best few evenly spread candidates ...
+WIDE = 12  # ... and tries every swap, up to this many blocks; beyond, from the best one, swaps within 2 places
 
 
 @dataclass(frozen=True)
@@ -141,33 +145,38 @@ def _choose(spec: Blocks, room: int, bw: float) -> BlockPlan | None:
     for i in range(n):
         kinds.setdefault((spec.sizes[i], spec.seconds[i]), []).append(i)
     groups = list(kinds.values())
-    best: tuple[float, int, tuple[int, ...]] | None = None
+    starts: list[tuple[float, int, tuple[int, ...]]] = []
     for counts in itertools.product(*(range(len(g) + 1) for g in groups)):
         streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in _spread(g, k)))
-        if spec.gpu_bytes(streamed) > room:
-            continue
-        key = (seconds(spec, streamed, bw), sum(spec.sizes[i] for i in streamed), streamed)
-        if best is None or key < best:
-            best = key
-    if best is None:
+        if spec.gpu_bytes(streamed) <= room:
+            starts.append((seconds(spec, streamed, bw), sum(spec.sizes[i] for i in streamed), streamed))
+    if not starts:
         return None
-    secs, _, streamed = best
-    group_of = {i: gi for gi, g in enumerate(groups) for i in g}
-    improved = True
-    while improved:  # move one streamed block to a resident block of its kind while the time drops
-        improved = False
-        for i in streamed:
-            for j in groups[group_of[i]]:
-                if j in streamed:
-                    continue
-                cand = tuple(sorted((set(streamed) - {i}) | {j}))
-                t = seconds(spec, cand, bw)
-                if t < secs - 1e-12:
-                    secs, streamed, improved = t, cand, True
-                    break
-            if improved:
-                break
+    starts.sort()
+    secs, streamed = min(_improve(spec, room, bw, st, t) for t, _, st in starts[:SEEDS if n <= WIDE else 1])
     return _plan(spec, streamed, secs)
+
+
+def _improve(spec: Blocks, room: int, bw: float, streamed: tuple[int, ...],
+             secs: float) -> tuple[float, tuple[int, ...]]:
+    """Local search from `streamed`: stream one block more or fewer, or swap a streamed and a resident one, while
+    that is faster."""
+    n = len(spec.sizes)
+    while True:
+        cur = set(streamed)
+        moves = [cur - {i} for i in cur] + [cur | {j} for j in range(n) if j not in cur]
+        moves += [(cur - {i}) | {j} for i in cur for j in range(n) if j not in cur and (n <= WIDE or abs(i - j) <= 2)]
+        found = None
+        for m in moves:
+            cand = tuple(sorted(m))
+            if spec.gpu_bytes(cand) > room:
+                continue
+            t = seconds(spec, cand, bw)
+            if t < secs - 1e-12:
+                found, secs = cand, t
+        if found is None:
+            return secs, streamed
+        streamed = found
 
 
 def floor_text(spec: Blocks) -> str:

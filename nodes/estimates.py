@@ -39,11 +39,13 @@ TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 17.08
 # Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes.
 DIT_SECONDS_PER_TOKEN_STEP = 0.083 / 4608  # one step at 1024² (4096 image + 512 text tokens)
 TE_SECONDS_PER_PROMPT = 0.033
-# One transformer block's compute in one sampling step, per token of one image, at klein-4B width (other widths
-# scale by hidden²): a double block runs each token through one stream's weights, a single block through its own,
-# the same 13·hidden² weights per token, so both kinds take about the same time at twice the bytes for a double.
-DIT_DOUBLE_SECONDS_PER_TOKEN = DIT_SECONDS_PER_TOKEN_STEP / 25
-DIT_SINGLE_SECONDS_PER_TOKEN = DIT_SECONDS_PER_TOKEN_STEP / 25
+# One transformer block's compute in one sampling step of one image of n tokens: PER_TOKEN * n + PER_TOKEN2 * n²
+# (attention), at klein-4B width (other widths scale by hidden²). A double block runs each token through one
+# stream's weights, a single block through its own: the same 13·hidden² weights per token, so both kinds take
+# about the same time at twice the bytes for a double. Measured on the H200 (bf16, SDPA) by bench/streaming.py
+# ("constants": one block at 1024² and 2048², bench/results/streaming.json), the two points fitted exactly.
+DIT_DOUBLE_SECONDS_PER_TOKEN, DIT_DOUBLE_SECONDS_PER_TOKEN2 = 6.931e-7, 1.569e-11
+DIT_SINGLE_SECONDS_PER_TOKEN, DIT_SINGLE_SECONDS_PER_TOKEN2 = 6.290e-7, 1.651e-11
 VAE_DECODE_SECONDS_PER_MPIXEL = 0.086
 VAE_ENCODE_SECONDS_PER_MPIXEL = 0.05
 CPU_DECODE_SECONDS_PER_MPIXEL = 134.0  # the C engine's CPU fallback at 1024² that started this project
@@ -165,9 +167,10 @@ def sampling_variants(model: ModelInfo, latent: LatentInfo, positive: CondInfo, 
     if cfg is None or not model.nbytes:
         return (gpu,)
     sizes, fixed = _grouped(flux2_config.parameter_shapes(cfg), ("double_blocks.", "single_blocks."), model.nbytes)
-    scale = tokens * batch * (hidden / 3072) ** 2
-    secs = (DIT_DOUBLE_SECONDS_PER_TOKEN * scale,) * cfg.depth_double + \
-        (DIT_SINGLE_SECONDS_PER_TOKEN * scale,) * cfg.depth_single
+    scale = batch * (hidden / 3072) ** 2
+    double = (DIT_DOUBLE_SECONDS_PER_TOKEN * tokens + DIT_DOUBLE_SECONDS_PER_TOKEN2 * tokens**2) * scale
+    single = (DIT_SINGLE_SECONDS_PER_TOKEN * tokens + DIT_SINGLE_SECONDS_PER_TOKEN2 * tokens**2) * scale
+    secs = (double,) * cfg.depth_double + (single,) * cfg.depth_single
     blocks = Blocks(model.key, tuple(sizes), secs, fixed, _margin(act), steps, "step")
     stream = Variant("stream", (), blocks.min_gpu(), seconds, streams=(model.key,), blocks=blocks,
                      note="streams the transformer blocks that do not fit from pinned host memory")

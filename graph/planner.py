@@ -359,9 +359,9 @@ def _infeasible(nc: NodeCost, sizes: _Sizes, budget: int) -> PlanError:
     else:
         fit = (f"its weights alone ({_gib(w)} GiB) exceed the budget; it needs a budget of at least "
                f"{at_least:.2f} GiB")
+    what = "streamed" if v.blocks is not None else f"(weights {_gib(w)} GiB + activation {_gib(v.activation)} GiB)"
     msg = (f"node {nc.node!r} ({nc.class_type}) needs {_gib(needed)} GiB of GPU memory with its smallest variant "
-           f"{v.name!r} (weights {_gib(w)} GiB + activation {_gib(v.activation)} GiB) but the budget is "
-           f"{_gib(budget)} GiB; {fit}")
+           f"{v.name!r} {what} but the budget is {_gib(budget)} GiB; {fit}")
     details = "; ".join(f"{x.name}: {_gib(sizes.alone(x))} GiB (weights {_gib(sizes.weights(x.models))} + "
                         f"activation {_gib(x.activation)})" for x in nc.variants)
     extra = {"variants": [{"name": x.name, "needed_bytes": sizes.alone(x)} for x in nc.variants],

@@ -149,11 +149,12 @@ def _choose(spec: Blocks, room: int, bw: float) -> BlockPlan | None:
     for counts in itertools.product(*(range(len(g) + 1) for g in groups)):
         streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in _spread(g, k)))
         if spec.gpu_bytes(streamed) <= room:
-            starts.append((seconds(spec, streamed, bw), sum(spec.sizes[i] for i in streamed), streamed))
+            starts.append((round(seconds(spec, streamed, bw), 9), sum(spec.sizes[i] for i in streamed), streamed))
     if not starts:
         return None
     starts.sort()
-    secs, streamed = min(_improve(spec, room, bw, st, t) for t, _, st in starts[:SEEDS if n <= WIDE else 1])
+    found = [_improve(spec, room, bw, st, t) for t, _, st in starts[:SEEDS if n <= WIDE else 1]]
+    secs, streamed = min(found, key=lambda f: (round(f[0], 9), sum(spec.sizes[i] for i in f[1])))
     return _plan(spec, streamed, secs)
 
 
@@ -172,7 +173,7 @@ def _improve(spec: Blocks, room: int, bw: float, streamed: tuple[int, ...],
             if spec.gpu_bytes(cand) > room:
                 continue
             t = seconds(spec, cand, bw)
-            if t < secs - 1e-12:
+            if t < secs - 1e-9 * max(1.0, secs):  # faster, not a rounding error's worth
                 found, secs = cand, t
         if found is None:
             return secs, streamed

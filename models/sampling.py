@@ -136,13 +136,15 @@ Progress = Callable[[int, int], None]
 def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor, sigma_list: Sequence[float], *,
            negative: torch.Tensor | None = None, guidance: float = 1.0, references: References | None = None,
            progress: Progress | None = None,
-           preview: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
+           preview: Callable[[torch.Tensor, int, int], None] | None = None,
+           sequential_cfg: bool = False) -> torch.Tensor:
     """Euler integration of the flow from sigma_list[0] to sigma_list[-1].
 
     latent: (B, 128, h, w) noise (times sigma_list[0]) in the normalised space, any device;
     context: (B, T, D) prompt embeddings; negative: (B, T, D) or None. With `negative` and
     guidance != 1, the velocity is u + guidance * (c - u) (classifier-free guidance, base models);
-    conditional and unconditional passes run as one batch. Returns the final latent, fp32, on the
+    conditional and unconditional passes run as one batch (`sequential_cfg`: one after the other, half the
+    activation memory, the same sum in other kernels' rounding). Returns the final latent, fp32, on the
     model's device. `preview(x0, step, steps)`, if given, receives each step's denoised estimate
     x - sigma * v as a (B, 128, h, w) latent on the model's device.
     """
@@ -172,7 +174,12 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
         if ref_tokens is not None:
             inp = torch.cat([inp, ref_tokens], 1)
         sig = torch.full((inp.shape[0],), s, device=device, dtype=torch.float32)
-        v = model(inp, ctx, sig, rope, n).float()
+        if cfg_on and sequential_cfg:
+            half = inp.shape[0] // 2
+            v = torch.cat([model(inp[:half], ctx[:half], sig[:half], rope, n).float(),
+                           model(inp[half:], ctx[half:], sig[half:], rope, n).float()])
+        else:
+            v = model(inp, ctx, sig, rope, n).float()
         if cfg_on:
             c, u = v.chunk(2)
             v = u + guidance * (c - u)

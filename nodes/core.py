@@ -338,9 +338,10 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
     sigmas = torch.tensor(sigmas, dtype=torch.float32).tolist()  # float32 as ComfyUI's SIGMAS, whichever node made them
     args = (noise.generate_noise(latent), latent["samples"], pos, neg, cfg, sigmas, refs)
     kw = {"progress": vg.progress, "preview": getattr(vg, "preview", None)}
-    if vg.variant == "stream":  # the plan keeps some blocks on the GPU and streams the others every step
+    if vg.variant in ("stream", "stream-cfg"):  # the plan keeps some blocks on the GPU, streams the others
         from ..models.streaming import stream_blocks
 
+        kw["sequential_cfg"] = vg.variant == "stream-cfg"
         with stream_blocks(vg.host_module(model), vg.device, vg.resident_blocks(model)) as m:
             return {"samples": ops.run_sampler(m, *args, **kw)}
     return {"samples": ops.run_sampler(vg.module(model), *args, **kw)}

@@ -174,7 +174,16 @@ def sampling_variants(model: ModelInfo, latent: LatentInfo, positive: CondInfo, 
     blocks = Blocks(model.key, tuple(sizes), secs, fixed, _margin(act), steps, "step")
     stream = Variant("stream", (), blocks.min_gpu(), seconds, streams=(model.key,), blocks=blocks,
                      note="streams the transformer blocks that do not fit from pinned host memory")
-    return (gpu, stream)
+    if cfg_batch == 1:
+        return (gpu, stream)
+    # CFG's two passes one after the other: the activation of one image, every block streamed twice per step
+    one = sampling_bytes(latent.batch, tokens, hidden, item) + 2 * latent.batch * latent.height * latent.width * \
+        latent.channels * 4
+    half = tuple(t / cfg_batch for t in secs)
+    seq = Blocks(model.key, tuple(sizes), half, fixed, _margin(one), steps * cfg_batch, "step", cfg_batch)
+    stream_cfg = Variant("stream-cfg", (), seq.min_gpu(), seconds, streams=(model.key,), blocks=seq,
+                         note="streams the transformer; CFG's conditional and unconditional passes one after the other")
+    return (gpu, stream, stream_cfg)
 
 
 def _param_scale(model: ModelInfo) -> float:

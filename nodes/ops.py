@@ -43,7 +43,8 @@ def encode_text_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, text
 def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tensor, positive: torch.Tensor,
                 negative: torch.Tensor | None, cfg: float, sigmas: list[float], references: list[torch.Tensor],
                 progress: Progress | None = None,
-                preview: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
+                preview: Callable[[torch.Tensor, int, int], None] | None = None,
+                sequential_cfg: bool = False) -> torch.Tensor:
     """Euler sampling as ComfyUI's SamplerCustomAdvanced does it; returns the final latent on the CPU.
 
     The start is sigma0 * noise + (1 - sigma0) * latent (ComfyUI's flow-model noise scaling), exactly
@@ -58,7 +59,7 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
     neg = _batched(negative, batch, "negative") if negative is not None and cfg != 1.0 else None
     refs = pack_references([r[:1] for r in references]) if references else None
     out = sample(model, start, pos, list(sigmas), negative=neg, guidance=cfg, references=refs, progress=progress,
-                 preview=preview)
+                 preview=preview, sequential_cfg=sequential_cfg)
     return out.cpu()
 
 

@@ -99,16 +99,6 @@ def test_choice_is_optimal_against_brute_force(seed: int) -> None:
             assert got.seconds <= want + 1e-9, (sizes, secs, room, got.streamed)
 
 
-def test_more_passes_stream_less() -> None:
-    """Copies that cannot hide behind compute cost every pass: with more passes the plan keeps more blocks."""
-    spec1 = Blocks("m", (100,) * 8, (0.5,) * 8, fixed=0, activation=0, passes=1)
-    spec50 = Blocks("m", (100,) * 8, (0.5,) * 8, fixed=0, activation=0, passes=50)
-    one, fifty = residency.choose(spec1, 800, 100.0 / EFF), residency.choose(spec50, 800, 100.0 / EFF)
-    assert one is not None and fifty is not None
-    assert len(fifty.resident) > len(one.resident)
-    assert fifty.resident == tuple(range(8))
-
-
 # --------------------------------------------------------------------------------------------- the planner
 
 
@@ -213,5 +203,5 @@ def test_matrix_plans_every_cell(tmp_path: Path, workflow: str) -> None:
         for side in (512, 1024, 1536, 2048):
             p = planning.prepare(_prompt(workflow, side)).plan
             assert p.peak <= planning.budget.gpu, (card, side)
-            if card <= 6:
-                assert p.variant_of(next(n for n, c in p.classes.items() if c == "VGSampler")) == "stream"
+            if card <= 6:  # the transformer cannot stay: streamed (with CFG's passes one by one where needed)
+                assert p.variant_of(next(n for n, c in p.classes.items() if c == "VGSampler")).startswith("stream")

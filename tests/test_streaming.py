@@ -101,3 +101,16 @@ def test_streamed_text_encoder_equals_resident() -> None:
         ref = enc(ids, mask)
         for resident in ((), tuple(range(0, TINY_QWEN3.n_built, 2))):
             assert torch.equal(enc.forward_streamed(ids, mask, torch.device("cpu"), resident=resident), ref)
+
+
+def test_sequential_cfg_matches_batched(dit: Flux2Transformer) -> None:
+    """The "stream-cfg" variant runs CFG's two passes one after the other: the same velocity up to rounding."""
+    torch.manual_seed(2)
+    lat = torch.randn(1, 128, 4, 4)
+    pos, neg = torch.randn(1, 8, CFG.context_dim), torch.randn(1, 8, CFG.context_dim)
+    sig = [1.0, 0.5, 0.0]
+    ref = sample(dit, lat, pos, sig, negative=neg, guidance=3.0)
+    with stream_blocks(dit, "cpu", (1,)) as m:
+        got = sample(m, lat, pos, sig, negative=neg, guidance=3.0, sequential_cfg=True)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(sample(dit, lat, pos, sig, negative=neg, guidance=1.5), ref)  # guidance matters here

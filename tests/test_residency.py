@@ -169,7 +169,7 @@ def test_rejection_of_a_real_workflow_names_the_minimum_budget(tmp_path: Path) -
 CONTEXT = int(0.776 * GiB)  # the H200's CUDA context as bench/results/streaming.json measured it
 
 
-def _planning(tmp: Path, card: int, gpu: int | None = None):  # noqa: ANN202
+def _planning(tmp: Path, card: int, gpu: int | None = None):
     from vramgraph.graph.budget import CARD_MARGIN
     from vramgraph.graph.planning import Planning
     from vramgraph.nodes.catalog import ModelCatalog

@@ -4,6 +4,7 @@ ones as on the GPU, the streamed ones copied through the staging buffers, and th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def test_streamed_sampler_equals_resident_bit_for_bit(dit: Flux2Transformer, res
     homes = {id(t): t.data_ptr() for b in blocks for _, _, t in _tensors(b)}
     seen: dict[int, list[int]] = {}
 
-    def spy(i: int):  # noqa: ANN202 - where each block's weights are while it computes
+    def spy(i: int):
         def hook(mod: torch.nn.Module, args: object) -> None:
             seen.setdefault(i, []).append(next(iter(mod.parameters())).data_ptr())
         return hook
@@ -68,7 +69,7 @@ def test_staging_alternates_between_two_buffers(dit: Flux2Transformer) -> None:
         for h in handles:
             h.remove()
     assert len(set(order)) == 2  # the first tensor of each streamed block sits at offset 0 of one of two buffers
-    assert all(a != b for a, b in zip(order, order[1:], strict=False))
+    assert all(a != b for a, b in itertools.pairwise(order))
 
 
 def test_blocks_out_of_order_are_refused(dit: Flux2Transformer) -> None:

@@ -97,10 +97,16 @@ class NodeContext:
     """What a running node may ask of the engine (the `vg` hidden input)."""
 
     def __init__(self, engine: Engine, node: str, class_type: str, variant: str, seed: int | None,
-                 events: Events, chosen: Variant | None = None) -> None:
+                 events: Events, chosen: Variant | None = None, blocks: planner.BlockPlan | None = None) -> None:
         self.engine, self.node, self.class_type, self.variant = engine, node, class_type, variant
         self.seed, self._events = seed, events
         self.chosen = chosen  # the plan's Variant for this node: which models it put on the GPU, which it streams
+        self.blocks = blocks  # for a variant that streams a model block by block: the blocks the plan keeps
+
+    def resident_blocks(self, handle: ModelHandle) -> tuple[int, ...]:
+        """The blocks of a streamed model the plan keeps on the GPU for this node (the others stream)."""
+        b = self.blocks
+        return b.resident if b is not None and b.model == handle.key else ()
 
     def module(self, handle: ModelHandle) -> torch.nn.Module:
         """The model where the plan put it for this node's variant: resident on the GPU when the variant names it
@@ -602,13 +608,13 @@ class Engine:
         events("executing", {"node": node, "display_node": node, "prompt_id": self._pid})
         inputs = self._inputs(node, prep, values)
         chosen = next((o for o in prep.costs[node].variants if o.name == variant), None)
-        ctx = NodeContext(self, node, class_type, variant, self._seed(node, prep, values), events, chosen)
+        ctx = NodeContext(self, node, class_type, variant, self._seed(node, prep, values), events, chosen, ps.blocks)
         own_prompt, own_extra = prep.hidden.get(node, (prep.prompt, extra_pnginfo))
         hidden = {"PROMPT": own_prompt, "EXTRA_PNGINFO": own_extra, "UNIQUE_ID": node, "VG_CONTEXT": ctx}
         for name, kind in cls.INPUT_TYPES(folders=self.folders).get("hidden", {}).items():
             if kind in hidden:
                 inputs[name] = hidden[kind]
-        predicted = chosen.activation if chosen is not None else 0
+        predicted = ps.blocks.gpu_bytes if ps.blocks is not None else chosen.activation if chosen is not None else 0
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()

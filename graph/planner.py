@@ -48,7 +48,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import networkx as nx
 
+from . import residency
 from .early import finish_early
+from .residency import BlockPlan
 
 if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
     from ..nodes.types import Variant
@@ -169,6 +171,7 @@ class PlannedStep:
     seconds: float  # predicted
     note: str = ""  # why this step is here (shown to users)
     streams: tuple[str, ...] = ()  # Run: models its variant reads from host memory while it runs (never resident)
+    blocks: BlockPlan | None = None  # Run that streams a model block by block: which blocks stay (graph/residency.py)
 
 
 class PlanError(ValueError):
@@ -220,6 +223,11 @@ class Plan:
         return sum(self.models[s.step.model].nbytes for s in self.steps if isinstance(s.step, Load))
 
     @property
+    def streamed_bytes(self) -> int:
+        """Bytes copied host->GPU by the Runs that stream a model (every pass, and their resident blocks' upload)."""
+        return sum(s.blocks.total_streamed + s.blocks.resident_bytes for s in self.steps if s.blocks is not None)
+
+    @property
     def seconds(self) -> float:
         return sum(s.seconds for s in self.steps)
 
@@ -247,6 +255,8 @@ class Plan:
         for s in self.steps:
             d: dict[str, Any] = {"kind": s.step.kind, **{k: v for k, v in vars(s.step).items()}}
             d.update(gpu_bytes=s.gpu_bytes, resident=list(s.resident), seconds=s.seconds, note=s.note)
+            if s.blocks is not None:
+                d["blocks"] = s.blocks.to_json()
             steps.append(d)
         return {
             "steps": steps,
@@ -257,6 +267,7 @@ class Plan:
             "order": list(self.order),
             "loads": self.loads,
             "bytes_moved": self.bytes_moved,
+            "streamed_bytes": self.streamed_bytes,
             "seconds": self.seconds,
             "peak": self.peak,
             "cost_profile": self.cost.name,
@@ -282,9 +293,21 @@ class Plan:
         lines = ["  ".join(v.rjust(widths[c]) if c in right else v.ljust(widths[c]) for c, v in enumerate(r)).rstrip()
                  for r in rows]
         lines.insert(1, "-" * len(lines[0]))
-        lines.append(f"{self.loads} loads, {_gib(self.bytes_moved)} GiB moved, peak {_gib(self.peak)} of "
+        streamed = f" + {_gib(self.streamed_bytes)} GiB streamed" if self.streamed_bytes else ""
+        lines.append(f"{self.loads} loads, {_gib(self.bytes_moved)} GiB moved{streamed}, peak {_gib(self.peak)} of "
                      f"{_gib(self.budget.gpu)} GiB, {self.seconds:.3f} s predicted (costs: {self.cost.name})")
+        lines += self.streaming_lines()
         return "\n".join(lines)
+
+    def streaming_lines(self) -> list[str]:
+        """One line per Run that streams a model, e.g.
+        'Run 6 (VGSampler) stream · transformer 14/25 blocks resident, 3.10 GiB streamed per step'."""
+        out = []
+        for s in self.steps:
+            if s.blocks is not None and isinstance(s.step, Run):
+                _, what, how = self.describe(s)
+                out.append(f"Run {what} {how} · {s.blocks.describe(self.label(s.blocks.model))}")
+        return out
 
     def graph(self) -> nx.DiGraph:
         """Runs and memory steps as a chain a UI can draw.
@@ -343,15 +366,18 @@ def _infeasible(nc: NodeCost, sizes: _Sizes, budget: int) -> PlanError:
     v = min(nc.variants, key=sizes.alone)
     needed, w = sizes.alone(v), sizes.weights(v.models)
     at_least = -(-needed * 100 // GiB) / 100  # rounded up to the hundredth: a budget that surely fits
-    if w < budget:
+    if v.blocks is not None:
+        fit = (f"{residency.floor_text(v.blocks)}; it needs a budget of at least {at_least:.2f} GiB "
+               "(or a smaller image or batch)")
+    elif w < budget:
         fit = (f"it would fit with a budget of at least {at_least:.2f} GiB, or with {v.name!r} at an activation "
                f"of at most {(budget - w) * 100 // GiB / 100:.2f} GiB (a smaller image or batch)")
     else:
         fit = (f"its weights alone ({_gib(w)} GiB) exceed the budget; it needs a budget of at least "
                f"{at_least:.2f} GiB")
+    what = "streamed" if v.blocks is not None else f"(weights {_gib(w)} GiB + activation {_gib(v.activation)} GiB)"
     msg = (f"node {nc.node!r} ({nc.class_type}) needs {_gib(needed)} GiB of GPU memory with its smallest variant "
-           f"{v.name!r} (weights {_gib(w)} GiB + activation {_gib(v.activation)} GiB) but the budget is "
-           f"{_gib(budget)} GiB; {fit}")
+           f"{v.name!r} {what} but the budget is {_gib(budget)} GiB; {fit}")
     details = "; ".join(f"{x.name}: {_gib(sizes.alone(x))} GiB (weights {_gib(sizes.weights(x.models))} + "
                         f"activation {_gib(x.activation)})" for x in nc.variants)
     extra = {"variants": [{"name": x.name, "needed_bytes": sizes.alone(x)} for x in nc.variants],
@@ -517,6 +543,31 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 total += sizes.w(t[2])
         return [m for _, _, m in out], sum(c for c, _, _ in out)
 
+    def read_first(v: Variant) -> float:
+        """Reading a streamed model's file into its pinned host copy, the first time."""
+        return sum(cm.load_seconds(sizes.w(m), False) for m in v.streams if m not in pinned)
+
+    def streamed(i: int, v: Variant, out: list[str], reload_s: float) -> tuple[float, list[str], BlockPlan]:
+        """A block-streaming variant: the resident blocks that fit beside the models that stay, and whether evicting
+        more models (cheapest first) buys a faster node than their reloads cost."""
+        assert v.blocks is not None
+        missing = sum(sizes.w(m) for m in dict.fromkeys(v.models) if m not in resident)
+        stay = [m for m in resident if m not in out]
+        more = sorted(((*evict_cost(m, i, v), m) for m in stay if m not in v.models),
+                      key=lambda t: (t[0], -t[1], -sizes.w(t[2])))
+        best_t, best_out, best_bp = _INF, out, None
+        extra_s = 0.0
+        for k in range(len(more) + 1):
+            if k:
+                extra_s += more[k - 1][0]
+            gone = out + [m for _, _, m in more[:k]]
+            room = gpu - sum(sizes.w(m) for m in resident if m not in gone) - missing  # for the node's own bytes
+            bp = residency.choose(v.blocks, room, cm.h2d_pinned)
+            if bp is not None and bp.seconds + reload_s + extra_s < best_t:
+                best_t, best_out, best_bp = bp.seconds + reload_s + extra_s, gone, bp
+        assert best_bp is not None  # the variant's activation is its least need, which evictions made room for
+        return best_t, best_out, best_bp
+
     held = sum(sizes.w(m) for m in resident)  # bytes of the resident weights
     for i, node in enumerate(order):
         nc = costs[node]
@@ -526,24 +577,33 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), cm.run_seconds(v),
                                      v.note))
             continue
-        best: tuple[float, Variant, list[str]] | None = None
+        best: tuple[float, Variant, list[str], BlockPlan | None] | None = None
         options: list[tuple[Variant, float | None]] = []
         for v in nc.variants:
-            if sizes.alone(v) > gpu:
+            if sizes.alone(v) > gpu or any(m in resident for m in v.streams):  # streaming a resident model would
+                options.append((v, None))                                       # hold it twice
+                continue
+            if v.blocks is not None and any(  # streaming is for a model that cannot stay: not when it can
+                    u.blocks is None and set(v.streams) <= set(u.models) and sizes.alone(u) <= gpu
+                    and evictions(i, u)[1] == 0 for u in nc.variants):
                 options.append((v, None))
                 continue
             out, reload_s = evictions(i, v)
             missing = [m for m in dict.fromkeys(v.models) if m not in resident]
-            t = cm.run_seconds(v) + reload_s + sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
-            t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams if m not in resident)
-            if any(m in resident for m in v.streams):  # streaming a resident model would hold it twice
-                options.append((v, None))
-                continue
+            bp = None
+            if v.blocks is not None:
+                t, out, bp = streamed(i, v, out, reload_s)
+                t += read_first(v)
+            else:
+                t = cm.run_seconds(v) + reload_s
+                t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams)
+            t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
             options.append((v, t))
             if best is None or t < best[0]:
-                best = (t, v, out)
+                best = (t, v, out, bp)
         assert best is not None  # feasibility was checked up front
-        t, v, out = best
+        t, v, out, bp = best
+        read = read_first(v) if bp is not None else 0.0
         chosen[node] = v
         for m in out:
             resident.remove(m)
@@ -568,12 +628,16 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             if m in pins:
                 pinned.add(m)
         note = v.note
+        if bp is not None:
+            note = "; ".join(x for x in (note, bp.describe(sizes.models[bp.model].name)) if x)
         if v is not nc.variants[0]:
             alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
                              for a, ta in options if a is not v)
             note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
-        steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), cm.run_seconds(v), note,
-                                 tuple(v.streams)))
+        own = bp.gpu_bytes if bp is not None else v.activation
+        steps.append(PlannedStep(Run(node, v.name), held + own, tuple(resident),
+                                 bp.seconds + read if bp is not None else cm.run_seconds(v), note, tuple(v.streams),
+                                 bp))
     return _Assigned(steps, chosen, Residency(frozenset(resident), frozenset(pinned)), loads)
 
 

@@ -83,12 +83,15 @@ def timeline_data(plan: Plan) -> dict[str, Any]:
             "gpu_bytes": s.gpu_bytes,
             "seconds": s.seconds,
             "note": s.note,
+            **({"blocks": s.blocks.to_json(), "streaming": s.blocks.describe(plan.label(s.blocks.model))}
+               if s.blocks is not None else {}),
         })
     return {
         "budget": plan.budget.gpu,
         "peak": plan.peak,
         "models": {m: {"label": plan.label(m), "nbytes": plan.models[m].nbytes} for m in _model_order(plan)},
         "steps": steps,
+        "streamed_bytes": plan.streamed_bytes,
     }
 
 
@@ -153,7 +156,10 @@ def _step_label(plan: Plan, i: int) -> tuple[str, str]:
         return "unload", _UNLOAD
     cls = plan.classes.get(st.node, "")
     text = f"{st.node} {cls}" if cls else st.node
-    if st.variant not in ("gpu", "host"):
+    blocks = plan.steps[i].blocks
+    if blocks is not None:  # e.g. '6 VGSampler [stream 11/25]': the blocks the plan keeps on the GPU for it
+        text += f" [{st.variant} {len(blocks.resident)}/{blocks.n}]"
+    elif st.variant not in ("gpu", "host"):
         text += f" [{st.variant}]"
     return text, {"host": "#777", "cpu": "#b35c00"}.get(st.variant, "#222")  # grey: no GPU; orange: the CPU fallback
 
@@ -274,6 +280,7 @@ def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt
     unloads = sum(1 for s in plan.steps if isinstance(s.step, Unload))
     totals = [f"budget {size_text(budget)}", f"peak {size_text(peak)}",
               f"{plan.loads} loads ({size_text(plan.bytes_moved)} moved), {unloads} unloads",
+              *([f"{size_text(plan.streamed_bytes)} streamed"] if plan.streamed_bytes else []),
               f"{plan.seconds:.2f} s predicted"]
     key = [("gpu", "on the GPU"), ("host", "pinned copy in host RAM")]
     if any(s.streams for s in plan.steps):

@@ -311,6 +311,10 @@ class Flux2Transformer(nn.Module):
         s = sigma.to(self.dtype) * 1000
         return self.time_in(timestep_embedding(s, self.cfg.time_dim).to(self.dtype))
 
+    def streamed_blocks(self) -> list[nn.Module]:
+        """The blocks in the order a forward pass runs them (models/streaming.py streams some of them)."""
+        return [*self.double_blocks, *self.single_blocks]
+
     def forward(self, img: torch.Tensor, txt: torch.Tensor, sigma: torch.Tensor, rope: torch.Tensor,
                 n_target: int | None = None, kv: RefKV | None = None) -> torch.Tensor:
         """Velocity for the first `n_target` image tokens.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import gzip
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import cast
 
@@ -125,12 +125,20 @@ class Qwen3Encoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    host_only = ("embed_tokens",)  # streamed (models/streaming.py): the table is looked up on the host
+
+    def streamed_blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 between: Callable[[], None] | None = None) -> torch.Tensor:
         """input_ids (B, L) long, attention_mask (B, L) of 0/1 -> (B, L, len(output_layers) * hidden); `between`
         is called after every layer (a running node's interrupt check)."""
-        x = self.embed_tokens(input_ids)
-        n = input_ids.shape[1]
+        return self._layers(self.embed_tokens(input_ids), attention_mask, between)
+
+    def _layers(self, x: torch.Tensor, attention_mask: torch.Tensor,
+                between: Callable[[], None] | None) -> torch.Tensor:
+        n = x.shape[1]
         cos, sin = self.rope(n, x.device, x.dtype)
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         mask = causal[None, None] & attention_mask.to(device=x.device, dtype=torch.bool)[:, None, None, :]
@@ -145,49 +153,15 @@ class Qwen3Encoder(nn.Module):
         return torch.cat([outs[k] for k in self.cfg.output_layers], dim=-1)
 
     def forward_streamed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, device: torch.device,
-                         between: Callable[[], None] | None = None) -> torch.Tensor:
-        """`forward` with the weights left in (pinned) host memory: the embedding lookup runs on the host and
-        each layer's weights are copied to `device` while the previous layer computes, so at most two layers
-        are on the device at once. Same operations on the same device, so the same numbers as `forward`."""
-        from torch.func import functional_call
+                         between: Callable[[], None] | None = None, resident: Collection[int] = ()) -> torch.Tensor:
+        """`forward` with the weights left in (pinned) host memory: the embedding lookup runs on the host, the
+        `resident` layers are copied to `device` once and every other layer is streamed there while the layer
+        before it computes (models/streaming.py). Same operations on the same device, so the same numbers."""
+        from .streaming import stream_blocks
 
         x = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device)).to(device)
-        n = input_ids.shape[1]
-        cos, sin = self.rope(n, x.device, x.dtype)
-        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        mask = causal[None, None] & attention_mask.to(device=x.device, dtype=torch.bool)[:, None, None, :]
-        cuda = device.type == "cuda"
-        side = torch.cuda.Stream(device) if cuda else None
-
-        def fetch(i: int) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
-            layer = self.layers[i]
-            named = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
-            if not cuda:
-                return {k: v.to(device) for k, v in named.items()}, None
-            with torch.cuda.stream(side):
-                out = {k: v.to(device, non_blocking=True) for k, v in named.items()}
-                done = torch.cuda.Event()
-                done.record(side)
-            return out, done
-
-        wanted = set(self.cfg.output_layers)
-        outs: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
-        nxt = fetch(0)
-        for i, layer in enumerate(self.layers):
-            weights, done = nxt
-            if done is not None:
-                torch.cuda.current_stream(device).wait_event(done)
-                for t in weights.values():  # allocated on the side stream, used on this one
-                    t.record_stream(torch.cuda.current_stream(device))
-            if i + 1 < len(self.layers):
-                nxt = fetch(i + 1)
-            x = functional_call(layer, weights, (x, cos, sin, mask))
-            del weights
-            if i + 1 in wanted:
-                outs[i + 1] = x
-            if between is not None:
-                between()
-        return torch.cat([outs[k] for k in self.cfg.output_layers], dim=-1)
+        with stream_blocks(self, device, resident):
+            return self._layers(x, attention_mask, between)
 
 
 def load_qwen3(infos: Mapping[str, TensorInfo], cfg: Qwen3Config | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -277,10 +251,12 @@ class PromptTokenizer:
 
 @torch.inference_mode()
 def encode_prompts_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, prompts: list[str],
-                            device: torch.device, between: Callable[[], None] | None = None) -> torch.Tensor:
-    """`encode_prompts` with the encoder's weights in host memory, streamed to `device` layer by layer."""
+                            device: torch.device, between: Callable[[], None] | None = None,
+                            resident: Collection[int] = ()) -> torch.Tensor:
+    """`encode_prompts` with the encoder's weights in host memory, streamed to `device` layer by layer (the
+    `resident` layers copied once)."""
     ids, mask = tokenizer.encode(prompts)
-    return encoder.forward_streamed(ids, mask, torch.device(device), between)
+    return encoder.forward_streamed(ids, mask, torch.device(device), between, resident)
 
 
 @torch.inference_mode()

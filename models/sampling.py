@@ -138,14 +138,15 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
            negative: torch.Tensor | None = None, guidance: float = 1.0, references: References | None = None,
            progress: Progress | None = None,
            preview: Callable[[torch.Tensor, int, int], None] | None = None, kv_cache: bool = False,
-           sampler: str = "euler", seed: int = 0) -> torch.Tensor:
+           sampler: str = "euler", seed: int = 0, sequential_cfg: bool = False) -> torch.Tensor:
     """Integration of the flow from sigma_list[0] to sigma_list[-1] with `sampler` (models/samplers.py).
 
     latent: (B, 128, h, w) noise (times sigma_list[0]) in the normalised space, any device;
     context: (B, T, D) prompt embeddings; negative: (B, T, D) or None. With `negative` and
     guidance != 1, the prediction is u + guidance * (c - u) (classifier-free guidance, base models);
-    conditional and unconditional passes run as one batch. Returns the final latent, fp32, on the
-    model's device. `preview(x0, step, steps)`, if given, receives each step's denoised estimate
+    conditional and unconditional passes run as one batch (`sequential_cfg`: one after the other, half the
+    activation memory, the same sum in other kernels' rounding; not with kv_cache). Returns the final latent,
+    fp32, on the model's device. `preview(x0, step, steps)`, if given, receives each step's denoised estimate
     x - sigma * v as a (B, 128, h, w) latent on the model's device. `seed` fixes the fresh noise of the
     ancestral, SDE and LCM samplers (as ComfyUI draws it from the noise seed). "euler" steps in the
     velocity, x += (sigma_next - sigma) v; the others step from the denoised estimate, with the guidance
@@ -181,6 +182,10 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
         if ref_tokens is not None and (kv is None or not kv.filled):
             inp = torch.cat([inp, ref_tokens], 1)
         sig = torch.full((inp.shape[0],), s, device=device, dtype=torch.float32)
+        if cfg_on and sequential_cfg and kv is None:
+            half = inp.shape[0] // 2
+            return torch.cat([model(inp[:half], ctx[:half], sig[:half], rope, n).float(),
+                              model(inp[half:], ctx[half:], sig[half:], rope, n).float()])
         return (model(inp, ctx, sig, rope, n) if kv is None else model(inp, ctx, sig, rope, n, kv)).float()
 
     steps = len(sigma_list) - 1

@@ -222,7 +222,7 @@ class CLIPTextEncode:
         vg = vg or comfy_context(self)
         if vg.variant == "stream":
             emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device,
-                                           vg.check_interrupted)
+                                           vg.check_interrupted, resident=vg.resident_blocks(clip))
         else:
             emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text], vg.check_interrupted)
         return (conditioning(emb),)
@@ -430,9 +430,9 @@ def model_calls(sampler: Any, steps: int) -> int:
 def _sampling_cost(model: ModelInfo, positive: CondInfo, negative: CondInfo | None, cfg: float,
                    latent: LatentInfo, steps: int, outputs: tuple) -> Cost:
     cfg_batch = 2 if negative is not None and cfg != 1.0 else 1
-    opt = estimates.sampling(model, latent, positive, cfg_batch, steps)
+    options = estimates.sampling_variants(model, latent, positive, cfg_batch, steps)
     nbytes = latent.batch * latent.channels * latent.height * latent.width * 4
-    return Cost(outputs, (opt,), host_bytes=nbytes * len(outputs))
+    return Cost(outputs, options, host_bytes=nbytes * len(outputs))
 
 
 def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: list, negative: list | None,
@@ -459,9 +459,17 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
         if shown is not None:
             shown(x0, step, steps)
 
-    out = ops.run_sampler(vg.module(model), noise.generate_noise(latent), latent["samples"], pos, neg, cfg,
-                          sigmas, refs, progress=vg.progress, preview=preview, sampler=sampler, seed=noise.seed,
-                          kv_cache=model.info.kv_cache)
+    args = (noise.generate_noise(latent), latent["samples"], pos, neg, cfg, sigmas, refs)
+    kw = {"progress": vg.progress, "preview": preview, "sampler": sampler, "seed": noise.seed,
+          "kv_cache": model.info.kv_cache}
+    if vg.variant in ("stream", "stream-cfg"):  # the plan keeps some blocks on the GPU, streams the others
+        from ..models.streaming import stream_blocks
+
+        kw["sequential_cfg"] = vg.variant == "stream-cfg"
+        with stream_blocks(vg.host_module(model), vg.device, vg.resident_blocks(model)) as m:
+            out = ops.run_sampler(m, *args, **kw)
+    else:
+        out = ops.run_sampler(vg.module(model), *args, **kw)
     return {"samples": out}, ({"samples": last[0].float().cpu()} if last else {"samples": out})
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 
+from ..models import flux2_config, qwen3_config
 from ..models.dtypes import COMPUTE, itemsize
-from .types import CondInfo, LatentInfo, ModelInfo, Variant
+from .types import Blocks, CondInfo, LatentInfo, ModelInfo, Variant
 
 GiB = 2**30
 MARGIN = 1.04
@@ -43,6 +44,13 @@ TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 17.08
 # Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes.
 DIT_SECONDS_PER_TOKEN_STEP = 0.083 / 4608  # one step at 1024² (4096 image + 512 text tokens)
 TE_SECONDS_PER_PROMPT = 0.033
+# One transformer block's compute in one sampling step of one image of n tokens: PER_TOKEN * n + PER_TOKEN2 * n²
+# (attention), at klein-4B width (other widths scale by hidden²). A double block runs each token through one
+# stream's weights, a single block through its own: the same 13·hidden² weights per token, so both kinds take
+# about the same time at twice the bytes for a double. Measured on the H200 (bf16, SDPA) by bench/streaming.py
+# ("constants": one block at 1024² and 2048², bench/results/streaming.json), the two points fitted exactly.
+DIT_DOUBLE_SECONDS_PER_TOKEN, DIT_DOUBLE_SECONDS_PER_TOKEN2 = 6.931e-7, 1.569e-11
+DIT_SINGLE_SECONDS_PER_TOKEN, DIT_SINGLE_SECONDS_PER_TOKEN2 = 6.290e-7, 1.651e-11
 VAE_DECODE_SECONDS_PER_MPIXEL = 0.086
 VAE_ENCODE_SECONDS_PER_MPIXEL = 0.05
 CPU_DECODE_SECONDS_PER_MPIXEL = 134.0  # the C engine's CPU fallback at 1024² that started this project
@@ -117,8 +125,43 @@ def fp8_transient(model: ModelInfo, item: int) -> int:
     return getattr(spec, "quant_largest", 0) * item if spec is not None else 0
 
 
+def _grouped(shapes: dict[str, tuple[int, ...]], prefixes: tuple[str, ...], nbytes: int) -> tuple[list[int], int]:
+    """Bytes of each block (parameters named `prefix<i>.`, in the order of `prefixes` then i) and of the rest,
+    scaled so that all of them add up to the model's `nbytes` (its stored item size)."""
+    numel = {k: math.prod(v) for k, v in shapes.items()}
+    per = nbytes / max(1, sum(numel.values()))
+    sizes: dict[str, int] = {}
+    rest = 0
+    for k, n in numel.items():
+        head = next((p for p in prefixes if k.startswith(p)), None)
+        if head is None:
+            rest += n
+            continue
+        block = head + k[len(head):].split(".", 1)[0]
+        sizes[block] = sizes.get(block, 0) + n
+    return [math.ceil(n * per) for n in sizes.values()], math.ceil(rest * per)
+
+
+def _block_sizes(model: ModelInfo, shapes: dict[str, tuple[int, ...]], prefixes: tuple[str, ...]
+                 ) -> tuple[list[int], int]:
+    """Each block's bytes as stored (fp8 layers at 1 byte, models/loading.py's block_bytes) and the rest's, in the
+    order of `prefixes` then index; without a file's spec, the parameter shapes scaled to the model's bytes."""
+    have = model.spec.block_bytes(model.dtype) if hasattr(model.spec, "block_bytes") else {}
+    if not have:
+        return _grouped(shapes, prefixes, model.nbytes)
+    order = {p: i for i, p in enumerate(prefixes)}
+
+    def key(name: str) -> tuple[int, int]:
+        head, _, index = name.rpartition(".")
+        return order[head + "."], int(index)
+
+    names = sorted((n for n in have if any(n.startswith(p) for p in prefixes)), key=key)
+    return [have[n] for n in names], sum(b for n, b in have.items() if n not in names)
+
+
 def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...]:
-    """Resident on the GPU, or streamed layer by layer from pinned host memory (two layers on the GPU at once)."""
+    """Resident on the GPU, or streamed layer by layer from pinned host memory (the plan keeps some layers on the
+    GPU for the node when there is room; the embedding stays in host memory)."""
     cfg = model.config
     hidden = cfg.hidden_size if cfg is not None else 2560
     item = _itemsize(model.dtype)
@@ -126,13 +169,12 @@ def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...
     gpu = Variant("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
     if cfg is None or not model.nbytes:
         return (gpu,)
-    blocks = model.spec.block_bytes(model.dtype) if hasattr(model.spec, "block_bytes") else {}
-    layers = [b for name, b in blocks.items() if name.startswith("layers.")]
-    # the largest layer as loaded (fp8 layers of fp8mixed files count as stored); without a spec, an even split
-    layer = max(layers) if layers else (model.nbytes - cfg.vocab_size * hidden * item) / max(1, cfg.n_built)
-    stream = Variant("stream", (), _margin(act + 2 * layer + batch * tokens * hidden * item * 4),
-                    TE_SECONDS_PER_PROMPT * batch, streams=(model.key,),
-                    note="streams the text encoder from pinned host memory, layer by layer")
+    sizes, _ = _block_sizes(model, qwen3_config.parameter_shapes(cfg), ("layers.",))
+    per_layer = TE_SECONDS_PER_PROMPT * batch / len(sizes)
+    blocks = Blocks(model.key, tuple(sizes), (per_layer,) * len(sizes), 0,
+                    _margin(act + batch * tokens * hidden * item * 4), 1, "encode")
+    stream = Variant("stream", (), blocks.min_gpu(), TE_SECONDS_PER_PROMPT * batch, streams=(model.key,),
+                     note="streams the text encoder from pinned host memory, layer by layer", blocks=blocks)
     return (gpu, stream)
 
 
@@ -167,8 +209,15 @@ def kv_sampling_bytes(batch: int, tokens: int, ref_tokens: int, hidden: int, blo
 
 
 def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch: int, steps: int) -> Variant:
-    """All steps of the sampler: the peak of one step (steps run one after another). A model patched by FluxKVCache
-    with references: the larger of its first and later steps (kv_sampling_bytes), and later steps are faster."""
+    """All steps of the sampler: the peak of one step (steps run one after another)."""
+    return sampling_variants(model, latent, positive, cfg_batch, steps)[0]
+
+
+def sampling_variants(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch: int,
+                      steps: int) -> tuple[Variant, ...]:
+    """The transformer resident ("gpu"), or streamed block by block from its pinned host copy with the blocks
+    that fit kept on the GPU for the node ("stream"). A model patched by FluxKVCache with references: the larger
+    of its first and later steps (kv_sampling_bytes), and later steps are faster."""
     cfg = model.config
     hidden = cfg.hidden if cfg is not None else 3072
     item = _itemsize(model.dtype)
@@ -184,7 +233,27 @@ def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch
         step_tokens = tokens * steps
     act += 2 * latent.batch * latent.height * latent.width * latent.channels * 4  # step preview: x0 and its RGB
     seconds = DIT_SECONDS_PER_TOKEN_STEP * step_tokens * batch * _param_scale(model)
-    return Variant("gpu", (model.key,), _margin(act), seconds)
+    gpu = Variant("gpu", (model.key,), _margin(act), seconds)
+    if cfg is None or not model.nbytes:
+        return (gpu,)
+    sizes, fixed = _block_sizes(model, flux2_config.parameter_shapes(cfg), ("double_blocks.", "single_blocks."))
+    scale = batch * (hidden / 3072) ** 2
+    double = (DIT_DOUBLE_SECONDS_PER_TOKEN * tokens + DIT_DOUBLE_SECONDS_PER_TOKEN2 * tokens**2) * scale
+    single = (DIT_SINGLE_SECONDS_PER_TOKEN * tokens + DIT_SINGLE_SECONDS_PER_TOKEN2 * tokens**2) * scale
+    secs = (double,) * cfg.depth_double + (single,) * cfg.depth_single
+    blocks = Blocks(model.key, tuple(sizes), secs, fixed, _margin(act), steps, "step")
+    stream = Variant("stream", (), blocks.min_gpu(), seconds, streams=(model.key,), blocks=blocks,
+                     note="streams the transformer blocks that do not fit from pinned host memory")
+    if cfg_batch == 1 or model.kv_cache:  # the K/V cache holds both CFG halves at once
+        return (gpu, stream)
+    # CFG's two passes one after the other: the activation of one image, every block streamed twice per step
+    one = sampling_bytes(latent.batch, tokens, hidden, item) + 2 * latent.batch * latent.height * latent.width * \
+        latent.channels * 4
+    half = tuple(t / cfg_batch for t in secs)
+    seq = Blocks(model.key, tuple(sizes), half, fixed, _margin(one), steps * cfg_batch, "step", cfg_batch)
+    stream_cfg = Variant("stream-cfg", (), seq.min_gpu(), seconds, streams=(model.key,), blocks=seq,
+                         note="streams the transformer; CFG's conditional and unconditional passes one after the other")
+    return (gpu, stream, stream_cfg)
 
 
 def _param_scale(model: ModelInfo) -> float:

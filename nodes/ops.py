@@ -33,9 +33,10 @@ def encode_text(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[s
 
 
 def encode_text_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[str],
-                         device: torch.device, between: Between = None) -> torch.Tensor:
-    """The encoder's weights stay in pinned host memory and stream through `device` one layer at a time."""
-    return encode_prompts_streamed(encoder, tokenizer, texts, device, between).cpu()
+                         device: torch.device, between: Between = None, resident: tuple[int, ...] = ()) -> torch.Tensor:
+    """The encoder's weights stay in pinned host memory and stream through `device` one layer at a time (the
+    `resident` layers are copied once for the node)."""
+    return encode_prompts_streamed(encoder, tokenizer, texts, device, between, resident).cpu()
 
 
 @torch.no_grad()
@@ -43,7 +44,8 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
                 negative: torch.Tensor | None, cfg: float, sigmas: list[float], references: list[torch.Tensor],
                 progress: Progress | None = None,
                 preview: Callable[[torch.Tensor, int, int], None] | None = None,
-                sampler: str = "euler", seed: int = 0, kv_cache: bool = False) -> torch.Tensor:
+                sampler: str = "euler", seed: int = 0, kv_cache: bool = False,
+                sequential_cfg: bool = False) -> torch.Tensor:
     """Sampling as ComfyUI's SamplerCustomAdvanced does it for a FLUX model; returns the final latent on the CPU.
 
     The start is sigma0 * noise + (1 - sigma0) * latent (ComfyUI's flow-model noise scaling), exactly
@@ -61,7 +63,7 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
     neg = _batched(negative, batch, "negative") if negative is not None and cfg != 1.0 else None
     refs = pack_references([r[:1] for r in references]) if references else None
     out = sample(model, start, pos, list(sigmas), negative=neg, guidance=cfg, references=refs, progress=progress,
-                 preview=preview, sampler=sampler, seed=seed, kv_cache=kv_cache)
+                 preview=preview, sampler=sampler, seed=seed, kv_cache=kv_cache, sequential_cfg=sequential_cfg)
     last = torch.tensor(float(sigmas[-1]), dtype=torch.float32, device=out.device)
     if last != 0:
         out = out / (1.0 - last)

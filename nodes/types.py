@@ -130,6 +130,44 @@ UNKNOWN = Unknown()
 
 
 @dataclass(frozen=True)
+class Blocks:
+    """A model a node can run block by block with only some blocks on the GPU (graph/residency.py chooses which):
+    the rest is streamed from its pinned host copy for every pass, through staging buffers on the GPU.
+
+    `fixed` are the weights outside the blocks that stay on the GPU for the whole node (embeddings, modulation,
+    final layer; 0 when they stay in host memory, as the text encoder's embedding table); `activation` is the
+    node's activation peak above the weights. Times are compute seconds of one pass through each block."""
+
+    model: str  # model key
+    sizes: tuple[int, ...]  # bytes of each block's weights, in the order a pass runs them
+    seconds: tuple[float, ...]  # compute seconds of each block in one pass
+    fixed: int  # bytes on the GPU for the whole node besides the blocks
+    activation: int  # the node's activation peak above all weights
+    passes: int  # passes through all blocks (sampling steps, times two when CFG runs the passes one after another)
+    unit: str = "step"  # what the plan calls a pass of `passes_per_unit` passes ("step", "encode")
+    passes_per_unit: int = 1
+
+    def staging(self, streamed: tuple[int, ...]) -> int:
+        """Bytes of the staging buffers for `streamed` (block indices): two of the largest (one when one block)."""
+        if not streamed:
+            return 0
+        return min(2, len(streamed)) * max(self.sizes[i] for i in streamed)
+
+    def gpu_bytes(self, streamed: tuple[int, ...]) -> int:
+        """The node's GPU peak above other resident models with `streamed` blocks streamed, the others resident."""
+        gone = set(streamed)
+        resident = sum(s for i, s in enumerate(self.sizes) if i not in gone)
+        return self.fixed + resident + self.staging(streamed) + self.activation
+
+    def min_gpu(self) -> int:
+        """The least GPU memory it runs in: stream every block up to some size m (the others stay), for the best m."""
+        best = self.gpu_bytes(())
+        for m in set(self.sizes):
+            best = min(best, self.gpu_bytes(tuple(i for i, s in enumerate(self.sizes) if s <= m)))
+        return best
+
+
+@dataclass(frozen=True)
 class Variant:
     """One way a node can run (full GPU, tiled, CPU, streamed): what a node's estimate offers and the planner
     chooses from. The planner (graph/planner.py) takes these as they are."""
@@ -141,6 +179,8 @@ class Variant:
     note: str = ""  # why/what, shown to users (e.g. "decodes on the CPU: 134 s")
     streams: tuple[str, ...] = ()  # models read from host memory while it runs, never resident (their transfer
     #                                costs bytes / bandwidth of their source every time, and they get pinned)
+    blocks: Blocks | None = None  # with `streams`: the streamed model's blocks, some of which the plan keeps on the
+    #                               GPU for the node (its `activation` is then `blocks.min_gpu()`)
 
 
 HOST = Variant("host")  # a node that needs no GPU at all (loaders, images, primitives)

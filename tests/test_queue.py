@@ -55,7 +55,8 @@ def test_queue_loads_each_model_once_and_gives_the_same_images(tiny_models, inpu
     prep = probe.prepare(_prompts(1)[0])
     sizes = {e.info.label: e.info.nbytes for e in probe.ledger.entries.values()}
     need = max(sizes["text encoder"], sizes["transformer"])
-    act = max(o.activation for c in prep.costs.values() for o in c.variants)
+    act = max(o.activation for c in prep.costs.values() for o in c.variants if o.blocks is None)  # (a streamed
+    #                                                  variant's `activation` holds its staging and fixed weights too)
     budget = Budget(gpu=need + sizes["vae"] + act + 2**20, host=8 * 2**30)
     assert sizes["text encoder"] + sizes["transformer"] > budget.gpu - act  # they cannot be resident together
 
@@ -75,11 +76,11 @@ def test_queue_loads_each_model_once_and_gives_the_same_images(tiny_models, inpu
     for prompt, mine in zip(prompts, images, strict=True):
         r = alone.run(prompt)
         moves += r.loads
-        streamed += sum(1 for n in r.nodes if n.variant == "stream")
+        streamed += sum(1 for n in r.nodes if n.variant.startswith("stream"))
         assert np.array_equal(_pixels(r.images[0]), _pixels(mine[0]))  # bit for bit
         saved = Image.open(mine[0])
         assert json.loads(saved.text["prompt"]) == prompt  # each PNG carries its own prompt
-    # image by image, the encoder and the transformer must take turns: swapped, or the encoder streamed
+    # image by image, the encoder and the transformer must take turns: swapped, or one of them streamed
     assert moves > 3 or streamed >= len(prompts) - 1
 
 

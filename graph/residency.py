@@ -1,0 +1,188 @@
+"""Block-granular residency: which blocks of a streamed model stay on the GPU during a node, and what it costs.
+
+Pure (no torch). A node whose variant carries `Blocks` (nodes/types.py) runs its model pass after pass through
+the same blocks (the transformer once per sampling step, the text encoder once per encode). For that node the
+plan keeps a set R of blocks on the GPU (uploaded once, when the node starts, with the weights outside the
+blocks) and streams the others from their pinned host copy in every pass, through two staging buffers the size
+of the largest streamed block: while one block computes, the next streamed one is copied into the other buffer
+(models/streaming.py does exactly this, on a second CUDA stream, with events).
+
+The time model (`seconds`) replays that pipeline: one copy engine at `bandwidth` bytes/s and one compute
+stream. The copy of the g-th streamed block (counting over all passes) starts once the copy engine is free and
+the buffer it fills has been released by the streamed block two before it; a block computes once the block
+before it is done and, if streamed, its copy has landed. The resident upload comes first. Passes beyond the
+third repeat the third's duration (the pipeline is periodic by then).
+
+`choose` minimises that time under the memory the node may use: for every count of streamed blocks per kind
+of block (same size and time), the streamed ones spread evenly among their kind; from the best few of those a
+local search (stream one block more or fewer, or swap a streamed and a resident block) goes on while that helps.
+tests/test_residency.py checks it against brute force on small cases.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..nodes.types import Blocks
+
+GiB = 2**30
+# The share of the pinned host->GPU bandwidth (CostModel.h2d_pinned, one 2 GiB copy) that block-sized copies of
+# separate tensors reach while the other stream computes. Measured on the H200 by bench/streaming.py
+# (bench/results/streaming.json, "constants"): a klein-4B single block (234 MiB, 4 tensors) copies at 55.1 GB/s
+# alone (0.996 of the 55.35 GB/s of one 2 GiB copy); a copy and a 3.25 ms single-block compute side by side take
+# 4.94 ms, i.e. 49.7 GB/s of copy with the compute hidden: 0.897 of pinned.
+STREAM_COPY_EFFICIENCY = 0.897
+SEEDS = 3  # the local search starts from the best few evenly spread candidates ...
+WIDE = 12  # ... and tries every swap, up to this many blocks; beyond, from the best one, swaps within 2 places
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The plan's choice for one node that streams a model: what stays, what streams, what it costs."""
+
+    model: str
+    resident: tuple[int, ...]  # indices of the blocks kept on the GPU for the node
+    streamed: tuple[int, ...]  # indices of the blocks streamed in every pass
+    n: int  # blocks in all
+    resident_bytes: int  # uploaded once when the node starts: the resident blocks and the fixed weights
+    streamed_bytes: int  # copied in every pass
+    staging: int  # bytes of the staging buffers
+    passes: int
+    seconds: float  # predicted time of the node: upload, passes and their stalls
+    compute_seconds: float  # the compute alone (all passes)
+    gpu_bytes: int  # the node's GPU peak above other resident models (fixed + resident + staging + activation)
+    unit: str = "step"
+    passes_per_unit: int = 1
+
+    @property
+    def total_streamed(self) -> int:
+        """Bytes copied host->GPU by the streaming over the whole node (the upload of resident blocks aside)."""
+        return self.streamed_bytes * self.passes
+
+    def describe(self, label: str) -> str:
+        """E.g. 'transformer 14/25 blocks resident, 3.10 GiB streamed per step'."""
+        per = self.streamed_bytes * self.passes_per_unit / GiB
+        return f"{label} {len(self.resident)}/{self.n} blocks resident, {per:.2f} GiB streamed per {self.unit}"
+
+    def to_json(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
+
+
+def seconds(spec: Blocks, streamed: tuple[int, ...], bandwidth: float) -> float:
+    """Predicted time of the node with `streamed` (sorted block indices) streamed and the others resident."""
+    mask = [False] * len(spec.sizes)
+    for i in streamed:
+        mask[i] = True
+    resident = spec.fixed + sum(s for i, s in enumerate(spec.sizes) if not mask[i])
+    t0 = resident / bandwidth
+    order = [i for i in range(len(mask)) if mask[i]]
+    k = len(order)
+    passes = spec.passes
+    sim = min(passes, 3)
+    if k == 0:
+        return t0 + passes * sum(spec.seconds)
+    nbuf = min(2, k)
+    total = k * sim
+    ready = [0.0] * total
+    done = [0.0] * total
+    engine = t0
+
+    def issue(g: int) -> None:
+        nonlocal engine
+        start = max(engine, done[g - nbuf] if g >= nbuf else t0)
+        engine = start + spec.sizes[order[g % k]] / bandwidth
+        ready[g] = engine
+
+    for g in range(nbuf):
+        issue(g)
+    c = t0
+    g = 0
+    ends = []
+    for _ in range(sim):
+        for i in range(len(mask)):
+            if mask[i]:
+                c = max(c, ready[g]) + spec.seconds[i]
+                done[g] = c
+                if g + nbuf < total:
+                    issue(g + nbuf)
+                g += 1
+            else:
+                c += spec.seconds[i]
+        ends.append(c)
+    if passes > sim:
+        c += (passes - sim) * (ends[-1] - ends[-2])
+    return c
+
+
+def _plan(spec: Blocks, streamed: tuple[int, ...], secs: float) -> BlockPlan:
+    gone = set(streamed)
+    resident = tuple(i for i in range(len(spec.sizes)) if i not in gone)
+    return BlockPlan(spec.model, resident, streamed, len(spec.sizes),
+                     spec.fixed + sum(spec.sizes[i] for i in resident), sum(spec.sizes[i] for i in streamed),
+                     spec.staging(streamed), spec.passes, secs, spec.passes * sum(spec.seconds),
+                     spec.gpu_bytes(streamed), spec.unit, spec.passes_per_unit)
+
+
+def _spread(positions: list[int], k: int) -> list[int]:
+    """k of `positions`, evenly spaced (the middle of k equal parts)."""
+    n = len(positions)
+    return [positions[(2 * j + 1) * n // (2 * k)] for j in range(k)]
+
+
+def choose(spec: Blocks, room: int, bandwidth: float) -> BlockPlan | None:
+    """The resident set with the least predicted time whose `gpu_bytes` fits in `room`, or None if none fits."""
+    return _choose(spec, room, bandwidth * STREAM_COPY_EFFICIENCY)
+
+
+@functools.lru_cache(maxsize=512)  # a queue of N prompts asks N times for the same node at the same room
+def _choose(spec: Blocks, room: int, bw: float) -> BlockPlan | None:
+    n = len(spec.sizes)
+    kinds: dict[tuple[int, float], list[int]] = {}
+    for i in range(n):
+        kinds.setdefault((spec.sizes[i], spec.seconds[i]), []).append(i)
+    groups = list(kinds.values())
+    starts: list[tuple[float, int, tuple[int, ...]]] = []
+    for counts in itertools.product(*(range(len(g) + 1) for g in groups)):
+        streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in _spread(g, k)))
+        if spec.gpu_bytes(streamed) <= room:
+            starts.append((round(seconds(spec, streamed, bw), 9), sum(spec.sizes[i] for i in streamed), streamed))
+    if not starts:
+        return None
+    starts.sort()
+    found = [_improve(spec, room, bw, st, t) for t, _, st in starts[:SEEDS if n <= WIDE else 1]]
+    secs, streamed = min(found, key=lambda f: (round(f[0], 9), sum(spec.sizes[i] for i in f[1])))
+    return _plan(spec, streamed, secs)
+
+
+def _improve(spec: Blocks, room: int, bw: float, streamed: tuple[int, ...],
+             secs: float) -> tuple[float, tuple[int, ...]]:
+    """Local search from `streamed`: stream one block more or fewer, or swap a streamed and a resident one, while
+    that is faster."""
+    n = len(spec.sizes)
+    while True:
+        cur = set(streamed)
+        moves = [cur - {i} for i in cur] + [cur | {j} for j in range(n) if j not in cur]
+        moves += [(cur - {i}) | {j} for i in cur for j in range(n) if j not in cur and (n <= WIDE or abs(i - j) <= 2)]
+        found = None
+        for m in moves:
+            cand = tuple(sorted(m))
+            if spec.gpu_bytes(cand) > room:
+                continue
+            t = seconds(spec, cand, bw)
+            if t < secs - 1e-9 * max(1.0, secs):  # faster, not a rounding error's worth
+                found, secs = cand, t
+        if found is None:
+            return secs, streamed
+        streamed = found
+
+
+def floor_text(spec: Blocks) -> str:
+    """What the least budget of a streamed node is made of, for the message that rejects a smaller one."""
+    largest = max(spec.sizes)
+    return (f"streaming needs at least {spec.min_gpu() / GiB:.2f} GiB: the largest block {largest / GiB:.2f} GiB "
+            f"in two staging buffers, the weights outside the blocks {spec.fixed / GiB:.2f} GiB and the activation "
+            f"{spec.activation / GiB:.2f} GiB")

@@ -33,12 +33,14 @@ HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
 # itself: NVML's total is 140.40 GiB there (peer_compare.log: --reserve-vram 129.601 = NVML total - 12 + 1.2) and
 # CUDA's is 139.80 GiB (plan_matrix-rerun.json, uncapped: budget 138.868 + reserve 0.25 + context 0.682), so
 # 0.60 GiB of every NVML figure is not the process's. The process itself thus peaked at <= 11.26 GiB of the
-# 12 GiB card: 0.74 GiB of it stayed unused. CARD_MARGIN shrinks by 0.70 GiB to 0.30 GiB, so the budget grows by
-# 0.70 GiB, all of it weights and activations the planner counts: the same jobs would reach at most 11.96 GiB.
-# Under the cap, torch's own OOM is what the reserve and the estimates' 4 % margin guard against (plan_matrix:
-# estimates 1.026-1.067x the measured peaks, no OOM). Not measured yet: the process's own device peak apart from
-# the driver's share (bench/nvml_probe.py polls cudaMemGetInfo for that; no result of it is stored).
-CARD_MARGIN = 300 * 2**20
+# 12 GiB card: 0.74 GiB of it stayed unused. A margin of 0.30 GiB was tried on that reasoning and measured
+# (bench/results/peer_compare.json, the merged code of 2026-12-02 with block streaming): our whole-device NVML peak
+# then reached 12.53 GiB on the emulated 12 GiB card (ComfyUI 11.84), and 8.62 GiB on an 8 GiB card with the fp8
+# transformer (bench/results/peer_compare_fp8.json; ComfyUI 7.78): over the card even after the driver's 0.60 GiB,
+# so memory outside torch's allocator (a second CUDA stream's pool, kernels loaded on first use) grows with what the
+# plan does. On a real card, whose CUDA-visible memory is below its nominal size, that is an out-of-memory error.
+# The margin is back at 1 GiB, which kept the whole-device peak below the card in every measured job.
+CARD_MARGIN = 1024 * 2**20
 # The CUDA context a plan off the GPU assumes (`vramgraph plan` on a laptop, `--device cpu` with --vram): the
 # largest measured on the H200 after a warm run, 0.682-0.784 GiB (plan_matrix-rerun.json: context_gib minus the
 # 1 GiB margin of that code), rounded up. Consumer cards measure less (their page tables are smaller), so a plan

@@ -127,8 +127,11 @@ def test_comfyui_template_runs_unchanged(name: str, tiny_models: Path, input_dir
     workflow, shipped = json.loads(text["workflow"]), json.loads(template(name).read_text())
     converted = ui_to_api(workflow, ENGINE_NODES)  # the template UI JSON with the --set values that ran
     assert {k: v for k, v in converted.items() if k in prompt} == prompt  # (the prompt: the nodes that ran)
-    assert {k: v for k, v in workflow.items() if k != "definitions"} == {
-        k: v for k, v in shipped.items() if k != "definitions"}
+    touched = {str(x.split(".")[0].split(":")[0]) for x in sets}  # top-level nodes (or subgraph instances) --set
+    assert {k: v for k, v in workflow.items() if k not in ("definitions", "nodes")} == {
+        k: v for k, v in shipped.items() if k not in ("definitions", "nodes")}
+    assert [n for n in workflow["nodes"] if str(n["id"]) not in touched] == [
+        n for n in shipped["nodes"] if str(n["id"]) not in touched]
     assert text["seed"] == str(seed)
 
     rep = json.loads(report.read_text())

@@ -34,12 +34,13 @@ HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
 # CUDA's is 139.80 GiB (plan_matrix-rerun.json, uncapped: budget 138.868 + reserve 0.25 + context 0.682), so
 # 0.60 GiB of every NVML figure is not the process's. The process itself thus peaked at <= 11.26 GiB of the
 # 12 GiB card: 0.74 GiB of it stayed unused. A margin of 0.30 GiB was tried on that reasoning and measured
-# (bench/results/peer_compare_margin030.json, the merged code of 2026-12-02 with block streaming): our whole-device NVML peak
-# then reached 12.53 GiB on the emulated 12 GiB card (ComfyUI 11.84), and 8.62 GiB on an 8 GiB card with the fp8
-# transformer (bench/results/peer_compare_fp8.json; ComfyUI 7.78): over the card even after the driver's 0.60 GiB,
-# so memory outside torch's allocator (a second CUDA stream's pool, kernels loaded on first use) grows with what the
-# plan does. On a real card, whose CUDA-visible memory is below its nominal size, that is an out-of-memory error.
-# The margin is back at 1 GiB, which kept the whole-device peak below the card in every measured job.
+# (bench/results/peer_compare_margin030.json, the merged code of 2026-12-02 with block streaming): our
+# whole-device NVML peak then reached 12.53 GiB on the emulated 12 GiB card (ComfyUI 11.84), and 8.62 GiB on an
+# 8 GiB card with the fp8 transformer (bench/results/peer_compare_fp8.json; ComfyUI 7.78): over the card even
+# after the driver's 0.60 GiB, so memory outside torch's allocator (a second CUDA stream's pool, kernels loaded on
+# first use) grows with what the plan does. On a real card, whose CUDA-visible memory is below its nominal size,
+# that is an out-of-memory error. The margin is back at 1 GiB, which kept the whole-device peak below the card in
+# every measured job (bench/results/peer_compare_cap12.json: 11.59 GiB, ComfyUI 11.81).
 CARD_MARGIN = 1024 * 2**20
 # The CUDA context a plan off the GPU assumes (`vramgraph plan` on a laptop, `--device cpu` with --vram): the
 # largest measured on the H200 after a warm run, 0.682-0.784 GiB (plan_matrix-rerun.json: context_gib minus the

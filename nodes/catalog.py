@@ -72,8 +72,8 @@ def header_refusal(folders: Any, folder: str, name: str) -> str | None:
         found = None
     except QuantError as e:
         found = str(e)
-    except (CheckpointError, OSError):
-        found = None  # not a quantisation problem: the loader reports it, as before
+    except Exception:  # not a quantisation problem (damaged, not ours, ...): the loader reports it when it runs
+        found = None
     with _refusals_lock:
         if len(_REFUSALS) >= _REFUSALS_KEPT:
             _REFUSALS.clear()

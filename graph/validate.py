@@ -315,26 +315,33 @@ def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type], folder
         else:
             inputs[x] = converted
     if not errors:
-        errors = _custom_validation(nodes[class_type], inputs)
+        errors = _custom_validation(nodes[class_type], inputs, folders)
     return errors, links, inputs
 
 
-def _custom_validation(cls: type, inputs: Mapping[str, Any]) -> list[dict]:
+def _custom_validation(cls: type, inputs: Mapping[str, Any], folders: Any = None) -> list[dict]:
     """ComfyUI's VALIDATE_INPUTS: called with the literal inputs it names; anything but True is an error
-    (`custom_validation_failed`, details "input - message") on each of those inputs."""
+    (`custom_validation_failed`, details "input - message") on each of those inputs. Two additions of ours, for our
+    nodes: a hook with a `folders` parameter gets the folders files are resolved in (our loaders read the file's
+    header: a quantisation we do not run is refused here), and one that returns {input: message} puts the errors on
+    those inputs only (ComfyUI would report such a value as one message on every input)."""
     fn = getattr(cls, "VALIDATE_INPUTS", None)
     if fn is None:
         return []
-    wanted = [p for p in inspect.signature(fn).parameters if p in inputs and not is_link(inputs[p])]
+    params = inspect.signature(fn).parameters
+    wanted = [p for p in params if p in inputs and not is_link(inputs[p])]
     given = {p: inputs[p] for p in wanted}
     try:
-        ret = fn(**given)
+        ret = fn(**given, **({"folders": folders} if "folders" in params and "folders" not in given else {}))
     except Exception as ex:  # as ComfyUI: the validator's exception is the node's validation error
         return [_err("exception_during_inner_validation", "Exception when validating inner node",
                      f"{cls.__name__}.VALIDATE_INPUTS raised {type(ex).__name__}: {ex}",
                      exception_message=str(ex), exception_type=type(ex).__name__)]
     if ret is True:
         return []
+    if isinstance(ret, Mapping) and ret and set(ret) <= set(given):
+        return [_err("custom_validation_failed", "Custom validation failed for node", f"{x} - {m}", input_name=x)
+                for x, m in ret.items()]
     return [_err("custom_validation_failed", "Custom validation failed for node",
                  f"{x}" + ("" if ret is False else f" - {ret}"), input_name=x) for x in given]
 

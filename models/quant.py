@@ -14,8 +14,9 @@ The per-layer JSON fields read are `format` and `full_precision_matrix_mult`. We
 `float8_e5m2` with per-tensor (one-element) `weight_scale` / `input_scale`; the weight may be stored as
 F8_E4M3, F8_E5M2 or as uint8 bytes of the format. An fp8 weight no marking names is used as stored, i.e.
 cast with scale 1.0 (ComfyUI casts such weights to the compute dtype). Any other format (nvfp4, mxfp8,
-int8_tensorwise/convrot, w4a8, an unknown string) is refused when the model is inspected, naming the file,
-the layer and the format: never a crash mid-run, never a silent upcast.
+int8_tensorwise/convrot, w4a8, an unknown string) is refused (`QuantError`) when the model is inspected, naming
+the file, the layer and the format: at validation already (the loader nodes' VALIDATE_INPUTS read the header),
+never a crash mid-run, never a silent upcast.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from .headers import CheckpointError, Source, TensorInfo, read_header
 FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}  # formats we run -> their storage dtype
 FP8_STORED = tuple(FORMATS.values())
 MARKER = "scaled_fp8"  # the legacy marker tensor (possibly under the file's prefix)
+
+
+class QuantError(CheckpointError):
+    """A checkpoint whose quantisation we do not run (or whose quantisation marking is damaged), found from its
+    header: validation refuses it (nodes/catalog.py `header_refusal`), before anything runs."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +63,9 @@ def _json(raw: bytes | str, what: str) -> dict:
     try:
         out = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{what} is not JSON: the file is damaged or not a ComfyUI quantised checkpoint") from e
+        raise QuantError(f"{what} is not JSON: the file is damaged or not a ComfyUI quantised checkpoint") from e
     if not isinstance(out, dict):
-        raise CheckpointError(f"{what} is not a JSON object: the file is damaged or not a ComfyUI quantised checkpoint")
+        raise QuantError(f"{what} is not a JSON object: the file is damaged or not a ComfyUI quantised checkpoint")
     return out
 
 
@@ -113,7 +119,7 @@ def quant_layers(infos: Mapping[str, TensorInfo], metas: Mapping[Path, Mapping[s
         with_metadata = True
         layers = _json(raw, f"{f.name}: its _quantization_metadata").get("layers", {})
         if not isinstance(layers, dict):
-            raise CheckpointError(f"{f.name}: its _quantization_metadata has no table of layers")
+            raise QuantError(f"{f.name}: its _quantization_metadata has no table of layers")
         for name, conf in layers.items():
             key = by_file_key.get((f, f"{name}.weight")) or by_name.get(f"{name}.weight")
             layer = key.removesuffix(".weight") if key is not None else name
@@ -186,17 +192,17 @@ def check_weights(sources: Mapping[str, Source], infos: Mapping[str, TensorInfo]
             where = _file_name(info)
             if q is not None:
                 if q.problem is not None:
-                    raise CheckpointError(f"{where}: layer {q.layer}: {q.problem}; use the bf16 or fp8 file of "
+                    raise QuantError(f"{where}: layer {q.layer}: {q.problem}; use the bf16 or fp8 file of "
                                           "this model")
                 if name not in quantizable:
-                    raise CheckpointError(f"{where}: layer {q.layer} is quantised ({q.format}) but vramgraph runs "
+                    raise QuantError(f"{where}: layer {q.layer} is quantised ({q.format}) but vramgraph runs "
                                           "that tensor only unquantised; use the bf16 file of this model")
                 if s.op not in ("copy", "swap_halves") or len(s.keys) != 1:
-                    raise CheckpointError(f"{where}: layer {q.layer} is quantised ({q.format}) in a layout whose "
+                    raise QuantError(f"{where}: layer {q.layer} is quantised ({q.format}) in a layout whose "
                                           "tensors must be joined (split q/k/v); use a ComfyUI or BFL fp8 file")
                 out[name] = q
             elif info is not None and info.dtype not in PLAIN:
-                raise CheckpointError(f"{k} in {where} is stored as {info.dtype} and is not marked as a quantised "
+                raise QuantError(f"{k} in {where} is stored as {info.dtype} and is not marked as a quantised "
                                       "layer vramgraph runs (fp8 with per-tensor scales); use the bf16 or fp8 file "
                                       "of this model")
     return out

@@ -18,6 +18,7 @@ from typing import Any
 from ..models import flux2_config, loading, qwen3_config, vae_config
 from ..models.dtypes import itemsize
 from ..models.headers import CheckpointError
+from ..models.quant import QuantError
 from .files import Folders, identity
 from .types import ModelInfo
 
@@ -41,6 +42,43 @@ def builtin_params(kind: str, config: Any) -> int:
     """Parameters of a model built from `config` (what loading it puts on the GPU), counted without building it."""
     family = {"transformer": flux2_config, "text_encoder": qwen3_config, "vae": vae_config}[kind]
     return sum(math.prod(s) for s in family.parameter_shapes(config).values())
+
+
+_REFUSALS: dict[tuple[str, str], str | None] = {}  # (path, identity) -> header_refusal's answer
+_REFUSALS_KEPT = 64
+_refusals_lock = threading.Lock()
+
+
+def header_refusal(folders: Any, folder: str, name: str) -> str | None:
+    """Why the model file (or checkpoint folder) `name` in `folder` cannot be loaded, from its header alone: a
+    quantisation vramgraph does not run (`QuantError`: the file, the layer and the format), else None. The loader
+    nodes' VALIDATE_INPUTS ask this, so such a file is refused at validation, not when the prompt runs. A file that
+    is absent (planning from the built-in specs) or unreadable is left to the loader (None). `folders` None: inside
+    ComfyUI (its folder_paths). Answers are kept per file identity, so a validation reads each header once."""
+    try:
+        if folders is None:
+            from .comfy import comfy_folders
+
+            folders = comfy_folders()
+        path = folders.resolve(folder, name)
+        key = (str(path), identity(path))
+    except (ImportError, OSError, ValueError):  # outside ComfyUI without folders; an absent or unreadable file
+        return None
+    with _refusals_lock:
+        if key in _REFUSALS:
+            return _REFUSALS[key]
+    try:
+        loading.inspect([path])
+        found = None
+    except QuantError as e:
+        found = str(e)
+    except Exception:  # not a quantisation problem (damaged, not ours, ...): the loader reports it when it runs
+        found = None
+    with _refusals_lock:
+        if len(_REFUSALS) >= _REFUSALS_KEPT:
+            _REFUSALS.clear()
+        _REFUSALS[key] = found
+    return found
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from . import estimates
+from .catalog import header_refusal
 from .comfy import context as comfy_context
 from .files import file_list, fingerprint
 from .types import (
@@ -73,6 +74,18 @@ def file_changed(folders: Any, folder: str, name: str) -> str:
         return f"unreadable: {e}"
 
 
+def file_check(folders: Any, folder: str, name: str) -> bool | str:
+    """A loader's VALIDATE_INPUTS answer for its file input: True, or why the file cannot load, from its header alone
+    (a quantisation vramgraph does not run: the file, the layer and the format; nodes/catalog.py `header_refusal`).
+    `folders` None: inside ComfyUI, which skips its own list check for an input that VALIDATE_INPUTS names, so the
+    name is checked against the folder's list here. An empty name (the input is linked, not a literal) passes."""
+    if not name:
+        return True
+    if folders is None and name not in file_list(None, folder):
+        return f"'{name}' is not in {folder}; choose one of the files listed there"
+    return header_refusal(folders, folder, name) or True
+
+
 def _size(**kw: Any) -> tuple[str, dict]:
     return (INT, {"default": 1024, "min": 16, "max": MAX_RESOLUTION, "step": 16, **kw})
 
@@ -88,12 +101,14 @@ class UNETLoader:
                              "weight_dtype": (WEIGHT_DTYPES, {"advanced": True})}, "hidden": HIDDEN}
 
     @classmethod
-    def VALIDATE_INPUTS(cls, weight_dtype: str = "default") -> bool | str:
+    def VALIDATE_INPUTS(cls, unet_name: str = "", weight_dtype: str = "default", folders: Any = None
+                        ) -> bool | dict[str, str]:
         try:
             unet_weight_dtype(weight_dtype)
         except ValueError as e:
-            return str(e)
-        return True
+            return {"weight_dtype": str(e)}
+        found = file_check(folders, "diffusion_models", unet_name)
+        return True if found is True else {"unet_name": found}
 
     @classmethod
     def vg_estimate(cls, env: Any, unet_name: str, weight_dtype: str = "default") -> Cost:
@@ -156,6 +171,10 @@ class CLIPLoader:
                 "optional": {"device": (CLIP_DEVICES, {"advanced": True})}, "hidden": HIDDEN}
 
     @classmethod
+    def VALIDATE_INPUTS(cls, clip_name: str = "", folders: Any = None) -> bool | str:
+        return file_check(folders, "text_encoders", clip_name)
+
+    @classmethod
     def vg_estimate(cls, env: Any, clip_name: str, type: str = "flux2", device: str = "default") -> Cost:
         return Cost((clip_placed(env.model_info("text_encoder", clip_name), device),))
 
@@ -185,6 +204,10 @@ class VAELoader:
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
         return {"required": {"vae_name": (file_list(folders, "vae"),)}, "hidden": HIDDEN}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, vae_name: str = "", folders: Any = None) -> bool | str:
+        return file_check(folders, "vae", vae_name)
 
     @classmethod
     def vg_estimate(cls, env: Any, vae_name: str) -> Cost:

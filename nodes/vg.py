@@ -49,6 +49,10 @@ class VGLoadCheckpoint:
         return {"required": {"checkpoint": (file_list(folders, "checkpoints"),)}, "hidden": HIDDEN}
 
     @classmethod
+    def VALIDATE_INPUTS(cls, checkpoint: str = "", folders: Any = None) -> bool | str:
+        return core.file_check(folders, "checkpoints", checkpoint)
+
+    @classmethod
     def vg_estimate(cls, env: Any, checkpoint: str) -> Cost:
         return Cost(tuple(env.checkpoint_infos(checkpoint)))
 
@@ -77,9 +81,13 @@ def _file_loader(name: str, kind: str, folder: str, io: str, doc: str) -> type:
     def changed(cls: type, file: str, folders: Any = None, **_: Any) -> str:
         return core.file_changed(folders, folder, file)
 
+    def check(cls: type, file: str = "", folders: Any = None) -> bool | str:
+        return core.file_check(folders, folder, file)
+
     return type(name, (), {"CATEGORY": CATEGORY, "RETURN_TYPES": (io,), "FUNCTION": "load", "DESCRIPTION": doc,
                            "INPUT_TYPES": classmethod(inputs), "vg_estimate": classmethod(estimate), "load": load,
-                           "IS_CHANGED": classmethod(changed), "__doc__": doc})
+                           "IS_CHANGED": classmethod(changed), "VALIDATE_INPUTS": classmethod(check),
+                           "__doc__": doc})
 
 
 VGLoadTransformer = _file_loader("VGLoadTransformer", "transformer", "diffusion_models", VG_MODEL,

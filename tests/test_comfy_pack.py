@@ -372,3 +372,26 @@ def test_checkpoints_come_from_comfyuis_folders_only(pack, models, tmp_path, mon
     for bad in ("/etc", str(diffusers / "klein"), "../diffusers/klein"):
         with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
             cls().load(bad)
+
+
+def test_loaders_refuse_unrun_quantisations_at_comfyui_validation(pack, models):
+    """Inside ComfyUI, which calls VALIDATE_INPUTS with the file input alone (and then skips its own list check for
+    it): a file we run passes, a name not in the folder is refused, and a file with an nvfp4 layer is refused from its
+    header, naming the file, the layer and the format."""
+    from safetensors.torch import load_file, save_file
+
+    loader = pack.NODE_CLASS_MAPPINGS["VGLoadTransformer"]
+    good = models / "diffusion_models" / "flux-2-klein-4b.safetensors"
+    assert loader.VALIDATE_INPUTS(file=good.name) is True
+    assert "not in diffusion_models" in loader.VALIDATE_INPUTS(file="nowhere.safetensors")
+    tensors = load_file(str(good))
+    key = next(k for k, v in tensors.items() if k.endswith(".weight") and v.ndim == 2)
+    layer = key.removesuffix(".weight")
+    bad = good.with_name("klein-nvfp4-pack.safetensors")
+    save_file(tensors, str(bad), metadata={"_quantization_metadata": json.dumps(
+        {"format_version": "1.0", "layers": {layer: {"format": "nvfp4"}}})})
+    try:
+        msg = loader.VALIDATE_INPUTS(file=bad.name)
+    finally:
+        bad.unlink()
+    assert isinstance(msg, str) and msg.startswith(f"{bad.name}: layer ") and "it is quantised as 'nvfp4'" in msg

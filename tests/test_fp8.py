@@ -288,10 +288,10 @@ def test_tiny_models_written_in_fp8_generate(tmp_path):
 
 def test_engine_plans_real_bytes_runs_fp8_and_refuses_nvfp4_at_validation(input_dir, tmp_path):
     """The shipped text-to-image workflow on an fp8 transformer and an fp8mixed encoder: the plan sizes them by their
-    stored bytes and the prompt runs; a transformer with an nvfp4 layer is refused before anything runs, by the
-    loader node, with the file, the layer and the format."""
+    stored bytes and the prompt runs; a transformer with an nvfp4 layer is refused at validation, on the loader
+    node's input, with the file, the layer and the format."""
     from test_engine import folders_for, shipped
-    from vramgraph.graph.errors import NodeExecutionError
+    from vramgraph.graph.errors import ValidationFailed
     from vramgraph.graph.executor import Engine
     from vramgraph.models.tiny import write_tiny_models
 
@@ -314,7 +314,143 @@ def test_engine_plans_real_bytes_runs_fp8_and_refuses_nvfp4_at_validation(input_
     meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {
         "model.diffusion_model.double_blocks.0.img_mlp.0": {"format": "nvfp4"}}})}
     save(tensors, path, metadata=meta)
-    with pytest.raises(NodeExecutionError, match=r"Node 1 \(VGLoadTransformer\).*flux-2-klein-4b\.safetensors: layer "
-                                                 r"double_blocks\.0\.img_mlp\.0: it is quantised as 'nvfp4'") as info:
-        Engine(folders_for(models, input_dir, tmp_path), device="cpu").prepare(prompt)  # headers only: nothing runs
-    assert info.value.executed == [] or not info.value.executed
+    with pytest.raises(ValidationFailed) as info:  # from the header, at validation: nothing runs
+        Engine(folders_for(models, input_dir, tmp_path), device="cpu").prepare(prompt)
+    (err,) = info.value.response["node_errors"]["1"]["errors"]
+    assert err["type"] == "custom_validation_failed" and err["extra_info"]["input_name"] == "file"
+    assert re.match(r"file - flux-2-klein-4b\.safetensors: layer double_blocks\.0\.img_mlp\.0: it is quantised as "
+                    "'nvfp4'", err["details"])
+
+
+# --------------------------------------------- refused at validation: vramgraph validate, POST /prompt, the engine
+
+CORE_NAMES = {"transformer": "flux-2-klein-4b.safetensors", "text_encoder": "qwen_3_4b.safetensors",
+              "vae": "flux2-vae.safetensors"}
+# (loader node of the core graph, its input, folder, file written, format, marking)
+REFUSED = [("1", "unet_name", "diffusion_models", "klein-nvfp4.safetensors", "nvfp4", "metadata"),
+           ("1", "unet_name", "diffusion_models", "klein-w4a8.safetensors", "w4a8", "comfy_quant"),
+           ("2", "clip_name", "text_encoders", "qwen-mxfp8.safetensors", "mxfp8", "comfy_quant"),
+           ("3", "vae_name", "vae", "vae-convrot.safetensors", "convrot_w4a4", "metadata")]
+
+
+@pytest.fixture(scope="module")
+def refused_models(tmp_path_factory):
+    """Tiny models under the core graph's names (the transformer in fp8, a file we run) and, beside them, copies
+    with one layer marked in a format we do not run; returns (models folder, {file: its marked layer, as messages
+    name it: without the transformer's prefix})."""
+    from safetensors.torch import load_file
+    from vramgraph.models.tiny import write_tiny_models
+
+    models = write_tiny_models(tmp_path_factory.mktemp("refused") / "models", names=CORE_NAMES, quantize={
+        CORE_NAMES["transformer"]: {"prefix": "model.diffusion_model.", "input_scale": 1.0}})
+    sources = {"diffusion_models": CORE_NAMES["transformer"], "text_encoders": CORE_NAMES["text_encoder"],
+               "vae": CORE_NAMES["vae"]}
+    layers = {}
+    for _, _, folder, name, fmt, marking in REFUSED:
+        tensors = load_file(str(models / folder / sources[folder]))
+        layer = next(k for k, v in tensors.items() if k.endswith(".weight") and v.ndim >= 2).removesuffix(".weight")
+        conf = {"format": fmt}
+        meta = {}
+        if marking == "metadata":
+            meta = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {layer: conf}})}
+        else:
+            tensors[layer + ".comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+        save(tensors, models / folder / name, metadata=meta)
+        layers[name] = next((layer.removeprefix(p) for p in flux2.BFL_PREFIXES if layer.startswith(p)), layer)
+    return models, layers
+
+
+def _core_graph(node: str | None = None, input_name: str | None = None, name: str | None = None) -> dict:
+    from test_engine import core_text_to_image
+
+    g = core_text_to_image("a kite", seed=1, steps=1)
+    if node is not None:
+        g[node]["inputs"][input_name] = name
+    return g
+
+
+def _refusal(name: str, layer: str, fmt: str) -> str:
+    return f"{name}: layer {layer}: it is quantised as '{fmt}', which vramgraph does not run"
+
+
+@pytest.mark.parametrize(("node", "input_name", "folder", "name", "fmt", "marking"), REFUSED)
+def test_unrun_formats_are_refused_at_validation(refused_models, input_dir, tmp_path, node, input_name, folder, name,
+                                                 fmt, marking):
+    """validate() answers ComfyUI's /prompt error for the loader node's file input, naming the file, the layer and
+    the format; the same graph on the files we run (an fp8 transformer) validates."""
+    from test_engine import folders_for
+    from vramgraph.graph.validate import validate
+    from vramgraph.nodes import ENGINE_NODES
+
+    models, layers = refused_models
+    folders = folders_for(models, input_dir, tmp_path)
+    assert validate(_core_graph(), ENGINE_NODES, folders).ok
+    check = validate(_core_graph(node, input_name, name), ENGINE_NODES, folders)
+    assert not check.ok
+    response = check.response()
+    assert response["error"]["type"] == "prompt_outputs_failed_validation"
+    assert list(response["node_errors"]) == [node]
+    (err,) = response["node_errors"][node]["errors"]
+    assert err["type"] == "custom_validation_failed" and err["extra_info"]["input_name"] == input_name
+    assert err["details"].startswith(f"{input_name} - " + _refusal(name, layers[name], fmt))
+
+
+def test_unmarked_integer_weights_are_refused_at_validation(refused_models, input_dir, tmp_path):
+    """check_weights' other header refusal, a weight stored as an integer that no marking names, is a validation
+    error too (on the VAE's loader), naming the tensor, the file and its dtype."""
+    from safetensors.torch import load_file
+    from test_engine import folders_for
+    from vramgraph.graph.validate import validate
+    from vramgraph.nodes import ENGINE_NODES
+
+    models, _ = refused_models
+    tensors = load_file(str(models / "vae" / CORE_NAMES["vae"]))
+    key = next(k for k, v in tensors.items() if k.endswith(".weight") and v.ndim == 4)
+    tensors[key] = tensors[key].to(torch.int8)
+    save(tensors, models / "vae" / "vae-int8.safetensors")
+    check = validate(_core_graph("3", "vae_name", "vae-int8.safetensors"), ENGINE_NODES,
+                     folders_for(models, input_dir, tmp_path))
+    (err,) = check.response()["node_errors"]["3"]["errors"]
+    assert err["extra_info"]["input_name"] == "vae_name"
+    assert f"{key} in vae-int8.safetensors is stored as I8 and is not marked as a quantised layer" in err["details"]
+
+
+def test_vramgraph_validate_refuses_from_the_header(refused_models, input_dir, tmp_path):
+    """`vramgraph validate` exits 1 with the file, the layer and the format; a graph on our fp8 file exits 0."""
+    models, layers = refused_models
+    name = "klein-nvfp4.safetensors"
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(_core_graph()))
+    bad.write_text(json.dumps(_core_graph("1", "unet_name", name)))
+    cmd = [sys.executable, "-m", "vramgraph", "validate", "--models", str(models), "--input", str(input_dir)]
+    ok = subprocess.run([*cmd, str(good)], capture_output=True, text=True, cwd=Path(__file__).parent)
+    assert ok.returncode == 0, ok.stderr
+    out = subprocess.run([*cmd, str(bad)], capture_output=True, text=True, cwd=Path(__file__).parent)
+    assert out.returncode == 1
+    assert f"node 1 (UNETLoader): unet_name - {_refusal(name, layers[name], 'nvfp4')}" in out.stderr
+    assert "[custom_validation_failed]" in out.stderr
+
+
+def test_server_prompt_refuses_from_the_header(refused_models, input_dir, tmp_path):
+    """POST /prompt answers 400 with ComfyUI's node_errors on the loader's input; nothing is queued."""
+    import requests
+    from test_engine import folders_for
+    from vramgraph.graph.executor import Engine
+    from vramgraph.server.app import ServerThread, make_app
+
+    models, layers = refused_models
+    name = "qwen-mxfp8.safetensors"
+    with ServerThread(make_app(Engine(folders_for(models, input_dir, tmp_path), device="cpu"),
+                               start_worker=False)) as srv:
+        r = requests.post(srv.url + "/prompt", json={"prompt": _core_graph("2", "clip_name", name)}, timeout=60)
+        assert r.status_code == 400
+        body = r.json()
+        assert body["error"]["type"] == "prompt_outputs_failed_validation"
+        entry = body["node_errors"]["2"]
+        assert entry["class_type"] == "CLIPLoader" and entry["dependent_outputs"]
+        (err,) = entry["errors"]
+        assert err["extra_info"]["input_name"] == "clip_name"
+        assert _refusal(name, layers[name], "mxfp8") in err["details"]
+        assert requests.get(srv.url + "/queue", timeout=10).json()["queue_pending"] == []
+        ok = requests.post(srv.url + "/prompt", json={"prompt": _core_graph()}, timeout=60)
+        assert ok.status_code == 200, ok.text

@@ -48,7 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .bodies import json_error, prompt_request, read_json
+from .bodies import json_error
 from .hub import PREVIEW_IMAGE, Hub
 from .queue import Item, PromptQueue
 from .routes import Routes, _duplicate
@@ -393,22 +393,12 @@ class FrontendRoutes(Routes):
     async def post_prompt(self, request: web.Request) -> web.Response:
         from ..graph.errors import ValidationFailed
         from ..graph.planner import PlanError
-        from ..graph.validate import validate
 
-        req = prompt_request(await read_json(request))
-        if req.number is not None:
-            number = req.number
-        else:
-            number = -self.number if req.front else self.number
-            self.number += 1
-        prompt, outputs, pid = req.prompt, req.targets, req.prompt_id or str(uuid.uuid4())
-        if self.queue.known(pid):
-            return _duplicate(pid)
-        loop = asyncio.get_running_loop()
-        check = await loop.run_in_executor(None, lambda: validate(prompt, self.engine.nodes, self.engine.folders,
-                                                                  outputs))
-        if not check.ok:
-            return web.json_response(check.response(), status=400)
+        admitted = await self.admit(request)
+        if isinstance(admitted, web.Response):
+            return admitted
+        req, number, pid, check = admitted
+        prompt, loop = req.prompt, asyncio.get_running_loop()
 
         def plan() -> Any:
             with self._plan_lock:

@@ -113,7 +113,9 @@ class Routes:
     async def get_prompt(self, request: web.Request) -> web.Response:
         return web.json_response(self.worker.status())
 
-    async def post_prompt(self, request: web.Request) -> web.Response:
+    async def admit(self, request: web.Request) -> tuple[Any, int, str, Any] | web.Response:
+        """POST /prompt's first half, the same with or without a broker: the body read, the prompt numbered, a known
+        prompt id refused, the prompt validated. (request, number, prompt id, validation), or the answer to give."""
         from ..graph.validate import validate
 
         req = prompt_request(await _body(request))
@@ -131,6 +133,13 @@ class Routes:
         if not check.ok:
             log.warning("invalid prompt: %s", check.error.get("message") if check.error else "")
             return web.json_response(check.response(), status=400)
+        return req, number, pid, check
+
+    async def post_prompt(self, request: web.Request) -> web.Response:
+        admitted = await self.admit(request)
+        if isinstance(admitted, web.Response):
+            return admitted
+        req, number, pid, check = admitted
         req.extra["create_time"] = int(time.time() * 1000)  # as ComfyUI: /api/jobs sorts by it
         if not self.queue.put_new((number, pid, req.prompt, req.extra, list(check.outputs))):
             return _duplicate(pid)

@@ -4,13 +4,13 @@ tiny random-weight models (CPU), through ComfyUI's core workflow and KSampler.""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_engine import core_text_to_image
 from vramgraph.graph.errors import NodeExecutionError, ValidationFailed
 from vramgraph.graph.executor import Engine
 from vramgraph.models import samplers, schedules
@@ -18,18 +18,13 @@ from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.core import SAMPLERS, SCHEDULERS, WEIGHT_DTYPES, scheduled_sigmas
 from vramgraph.nodes.files import Folders
 
-WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
 SIZE = 32
 
 
 def core(sampler: str = "euler", seed: int = 7, steps: int = 2) -> dict:
     """The shipped core-node text-to-image graph (KSamplerSelect -> SamplerCustomAdvanced), small."""
-    g = json.loads((WORKFLOWS / "core_text_to_image.json").read_text())
+    g = core_text_to_image(None, seed, steps, SIZE)
     g["7"]["inputs"]["sampler_name"] = sampler
-    g["9"]["inputs"]["noise_seed"] = seed
-    g["8"]["inputs"].update(steps=steps, width=SIZE, height=SIZE)
-    g["10"]["inputs"].update(width=SIZE, height=SIZE)
-    g["13"]["inputs"]["filename_prefix"] = "core"
     return g
 
 

@@ -48,10 +48,12 @@ def shipped(name: str, size: int = SIZE) -> dict:
     return prompt
 
 
-def core_text_to_image(text: str, seed: int, steps: int, size: int = SIZE) -> dict:
-    """The shipped ComfyUI core-node FLUX.2 [klein] distilled text-to-image graph (as in its template, flattened)."""
+def core_text_to_image(text: str | None, seed: int, steps: int, size: int = SIZE) -> dict:
+    """The shipped ComfyUI core-node FLUX.2 [klein] distilled text-to-image graph (as in its template, flattened);
+    `text` None keeps the file's prompt."""
     g = json.loads((WORKFLOWS / "core_text_to_image.json").read_text())
-    g["4"]["inputs"]["text"] = text
+    if text is not None:
+        g["4"]["inputs"]["text"] = text
     g["9"]["inputs"]["noise_seed"] = seed
     g["8"]["inputs"].update(steps=steps, width=size, height=size)
     g["10"]["inputs"].update(width=size, height=size)

@@ -56,15 +56,20 @@ def _reference_out(ref, img, ctx, ids, n, sigma):
                    )[0][:, :n]
 
 
-@pytest.mark.parametrize("layout", ["bfl", "bfl_prefixed", "hf"])
-def test_matches_diffusers_with_two_references(reference, files, layout):
-    model = _load(files, layout)
-    img, ctx, ids, n = _inputs()
-    sigma = torch.tensor([0.9, 0.35])
+def ours_and_reference(model, reference, sigma, refs=None):
+    """Our model's and the diffusers reference's outputs on the same random inputs (`refs`: _inputs' references)."""
+    img, ctx, ids, n = _inputs() if refs is None else _inputs(refs=refs)
     want = _reference_out(reference, img, ctx, ids, n, sigma)
     rope = flux2.rope_table(model.cfg, torch.cat([flux2.text_ids(ctx.shape[1]), ids]))
     with torch.no_grad():
         got = model(img, ctx, sigma, rope, n)
+    return got, want, n
+
+
+@pytest.mark.parametrize("layout", ["bfl", "bfl_prefixed", "hf"])
+def test_matches_diffusers_with_two_references(reference, files, layout):
+    model = _load(files, layout)
+    got, want, n = ours_and_reference(model, reference, torch.tensor([0.9, 0.35]))
     assert got.shape == want.shape == (2, n, 128)
     assert rel_l2(got, want) < 1e-4
 
@@ -101,13 +106,8 @@ def test_swapped_final_halves_would_be_caught(reference, files):
 def test_bf16_load_and_forward(reference, files):
     model = _load(files, "hf", dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16
-    img, ctx, ids, n = _inputs(refs=())
-    sigma = torch.tensor([0.7, 0.2])
-    want = _reference_out(reference, img, ctx, ids, n, sigma)
-    rope = flux2.rope_table(model.cfg, torch.cat([flux2.text_ids(ctx.shape[1]), ids]))
-    with torch.no_grad():
-        got = model(img, ctx, sigma, rope, n).float()
-    assert rel_l2(got, want) < 3e-2
+    got, want, _ = ours_and_reference(model, reference, torch.tensor([0.7, 0.2]), refs=())
+    assert rel_l2(got.float(), want) < 3e-2
 
 
 def test_missing_tensor_is_a_clear_error(files):

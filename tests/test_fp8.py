@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import rel_l2, save
 from refmodels import diffusers_transformer, transformer_to_bfl, transformers_qwen3
-from test_flux2 import _inputs, _reference_out
+from test_flux2 import _inputs, ours_and_reference
 from vramgraph.models import common, flux2, fp8, loading
 from vramgraph.models.headers import CheckpointError, read_header, strip_prefix
 from vramgraph.models.quant import quant_layers
@@ -75,12 +75,7 @@ def test_transformer_matches_diffusers_on_dequantized_weights(transformer_ref, t
     qkv = model.double_blocks[0].img_attn.qkv
     assert isinstance(qkv, fp8.FP8Linear) and qkv.weight.dtype == getattr(torch, fmt)  # stays fp8 in memory
     assert model.dtype == torch.float32 and model.double_blocks[0].img_attn.norm.query_norm.scale.dtype == torch.float32
-    img, ctx, ids, n = _inputs()
-    sigma = torch.tensor([0.9, 0.35])
-    want = _reference_out(ref, img, ctx, ids, n, sigma)
-    rope = flux2.rope_table(model.cfg, torch.cat([flux2.text_ids(ctx.shape[1]), ids]))
-    with torch.no_grad():
-        got = model(img, ctx, sigma, rope, n)
+    got, want, _ = ours_and_reference(model, ref, torch.tensor([0.9, 0.35]))
     assert rel_l2(got, want) < 1e-4
 
 

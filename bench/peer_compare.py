@@ -48,7 +48,8 @@ def job_row(rec: dict) -> dict:
 def main() -> None:
     logs, pngs, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     report: dict = {"settings": {}}
-    for setting in ("cap12", "cap8", "uncapped"):
+    found = sorted(f.name[len("results_comfy_"):-5] for f in logs.glob("results_comfy_*.json"))
+    for setting in sorted(found, key=lambda s: (s == "uncapped", -int(s[3:]) if s[3:].isdigit() else 0)):
         comfy, ours = _load(logs / f"results_comfy_{setting}.json"), _load(logs / f"results_ours_{setting}.json")
         if comfy is None or ours is None:
             continue
@@ -73,10 +74,12 @@ def main() -> None:
                                       "ours": round((ours.get("dev_used_max_overall") or 0) / GiB, 3)},
             "server_ready_s": {"comfyui": comfy.get("server_ready_after_s"), "ours": ours.get("server_ready_after_s")}}
     sets = report["settings"]
-    if "cap8" in sets and "uncapped" in sets:  # ours on an 8 GiB card against ours uncapped, job by job
-        report["ours_cap8_over_ours_uncapped"] = {
+    for setting, s in sets.items():  # ours on a small card against ours uncapped, job by job
+        if setting == "uncapped" or "uncapped" not in sets:
+            continue
+        report[f"ours_{setting}_over_ours_uncapped"] = {
             job: round(r["ours"]["wall_s"] / sets["uncapped"]["jobs"][job]["ours"]["wall_s"], 3)
-            for job, r in sets["cap8"]["jobs"].items()
+            for job, r in s["jobs"].items()
             if r["ours"]["wall_s"] and (sets["uncapped"]["jobs"].get(job) or {}).get("ours", {}).get("wall_s")}
     pack = _load(logs / "pack_check.json")
     if pack is not None:

@@ -6,10 +6,12 @@
 #       carry=[".whl/peer", ".whl/ckpt_script", ".whl/wheels", ".whl/comfy.tar.xz", ".whl/tok"])
 # Writes $OUT/peer_compare.json (bench/peer_compare.py; $NAME.json with NAME=...) with the PNGs and logs.
 # FP8=1: the transformer file is quantized to fp8 as ComfyUI stores it (../shared/tools/comfyui-peer/quantize_fp8.py)
-# before either server starts, under the same name, so both run the same fp8 file. Settings: cap12, cap8, uncapped.
+# before either server starts, under the same name, so both run the same fp8 file. Settings: capN (an N GiB card,
+# e.g. cap12, cap8, cap6), uncapped; SETTING:JOB,JOB runs that setting with its own jobs (e.g. cap10:2048_s42).
+# PACK=0 skips the pack check inside ComfyUI.
 set -u
 SETTINGS=${1:-"cap12 uncapped"}
-JOBS=${JOBS:-1024_s42,1024_s43,1024_s44,512_s42,2048_s42}
+ALL_JOBS=${JOBS:-1024_s42,1024_s43,1024_s44,512_s42,2048_s42}
 R=$(pwd)
 L=/tmp/peerlogs
 P=/tmp/pngs
@@ -48,6 +50,9 @@ prewarm() {
   { echo "== before $1"; free -g | head -2; fincore /tmp/ck/comfyui/models/*/*.safetensors 2>&1; } >> $L/page_cache.log
 }
 
+# QUEUES="cap12 uncapped": the settings that also run the queue of 8 at 1024² (bench/peer_queue.py); default all.
+queue_wanted() { [ -z "${QUEUES:-}" ] || [[ " $QUEUES " == *" ${1#*_} "* ]]; }
+
 wait_down() { kill $1 2>/dev/null; sleep 2; kill -9 $1 2>/dev/null; wait $1 2>/dev/null; }
 
 comfy() {  # $1 label, rest: ComfyUI arguments
@@ -59,7 +64,7 @@ comfy() {  # $1 label, rest: ComfyUI arguments
   pid=$!
   timeout 300 python3 .whl/peer/peer_bench.py --port 8188 --label $label --out $P --results $L/results_$label.json \
     --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
-  timeout 200 python3 bench/peer_queue.py --port 8188 --label $label --out $L
+  queue_wanted $label && timeout 200 python3 bench/peer_queue.py --port 8188 --label $label --out $L
   if [ -n "${SAMPLER_PAIRS:-}" ] && [ "$label" = comfy_uncapped ]; then  # same picture per sampler/scheduler pair
     timeout 400 python3 bench/peer_samplers.py run --port 8188 --label comfy --out $P
   fi
@@ -79,7 +84,7 @@ ours() {  # $1 label, rest: vramgraph serve arguments
   pid=$!
   timeout 300 python3 .whl/peer/peer_bench.py --port 8189 --label $label --out $P --results $L/results_$label.json \
     --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
-  timeout 200 python3 bench/peer_queue.py --port 8189 --label $label --out $L
+  queue_wanted $label && timeout 200 python3 bench/peer_queue.py --port 8189 --label $label --out $L
   if [ -n "${SAMPLER_PAIRS:-}" ] && [ "$label" = ours_uncapped ]; then
     timeout 400 python3 bench/peer_samplers.py run --port 8189 --label ours --out $P
   fi
@@ -90,12 +95,15 @@ ours() {  # $1 label, rest: vramgraph serve arguments
 # SAMPLER_PAIRS=1 (with the uncapped setting): KSampler for every sampler/scheduler pair on both servers
 # (bench/peer_samplers.py: 512², 6 steps, seed 42); $OUT/peer_samplers.json has each pair's picture difference.
 for s in $SETTINGS; do
-  case $s in
-    cap12)    PEER_CAP_GIB=12 comfy comfy_cap12 --reserve-vram $RES_B; ours ours_cap12 --vram 12GiB ;;
-    cap8)     PEER_CAP_GIB=8 comfy comfy_cap8 --reserve-vram $(python3 -c "print(round($NVML_GIB - 8 + 1.2, 3))")
-              ours ours_cap8 --vram 8GiB ;;
+  setting=${s%%:*}
+  JOBS=$ALL_JOBS; [ "$setting" != "$s" ] && JOBS=${s#*:}
+  case $setting in
+    cap*)     n=${setting#cap}
+              PEER_CAP_GIB=$n comfy comfy_$setting --reserve-vram $(python3 -c "print(round($NVML_GIB - $n + 1.2, 3))")
+              ours ours_$setting --vram ${n}GiB ;;
     uncapped) ln -sfn "$R" /tmp/cbase/custom_nodes/vramgraph
-              PACK_CHECK=comfy_uncapped comfy comfy_uncapped; rm -rf /tmp/cbase/custom_nodes/vramgraph
+              if [ "${PACK:-1}" = 1 ]; then PACK_CHECK=comfy_uncapped comfy comfy_uncapped; else comfy comfy_uncapped; fi
+              rm -rf /tmp/cbase/custom_nodes/vramgraph
               ours ours_uncapped ;;
   esac
 done

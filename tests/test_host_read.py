@@ -39,7 +39,7 @@ def _per_tensor(infos, dtype):
     with torch.device("meta"):
         m = flux2.Flux2Transformer(cfg)
     shapes = {n: (tuple(t.shape), dtype) for n, t in m.state_dict(keep_vars=True).items()}
-    return common._device_weights(srcs, infos, shapes, torch.device("cpu")), srcs, shapes
+    return common._tensor_by_tensor(srcs, infos, shapes, torch.device("cpu")), srcs, shapes
 
 
 @pytest.mark.parametrize(("name", "dtype", "converted"), [("bfl_bf16", torch.bfloat16, 0), ("hf", torch.bfloat16, 0),
@@ -62,6 +62,27 @@ def test_same_weights_as_reading_tensor_by_tensor(files, name, dtype, converted)
         assert torch.equal(got[k], expected[k]), k
     # all parameters are views of one buffer
     assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+
+
+@pytest.mark.parametrize("stage", [4096, 200_000, common.STAGE_BYTES])
+@pytest.mark.parametrize("name", ["bfl_bf16", "hf", "bfl_fp32"])
+def test_staged_device_path_gives_the_same_weights(files, name, stage, monkeypatch):
+    """The path to a GPU (run here on the CPU): pieces through two staging buffers, tensors split across them
+    where a stage is smaller than a tensor, converted tensors on their own; every byte as tensor by tensor."""
+    infos = _infos(files, name)
+    expected, srcs, shapes = _per_tensor(infos, torch.bfloat16)
+    monkeypatch.setattr(common, "STAGE_BYTES", stage)
+    spans = {n: common._byte_spans(srcs[n], s, infos, dt) for n, (s, dt) in shapes.items()}
+    got = common._staged({n: sp for n, sp in spans.items() if sp is not None}, shapes, torch.device("cpu"),
+                         stage=stage)
+    got.update(common._device_weights(srcs, infos, {n: shapes[n] for n, sp in spans.items() if sp is None}, "cpu"))
+    assert got.keys() == expected.keys()
+    assert (len(got) > 0 and all(sp is None for sp in spans.values())) == (name == "bfl_fp32")
+    for k in expected:
+        assert got[k].dtype == expected[k].dtype and got[k].shape == expected[k].shape, k
+        assert torch.equal(got[k], expected[k]), k
+    whole = common._device_weights(srcs, infos, shapes, "cpu")
+    assert all(torch.equal(whole[k], expected[k]) for k in expected)
 
 
 def test_truncated_file_names_it(files, tmp_path):

@@ -34,7 +34,7 @@ from PIL import Image
 from vramgraph.cli import main
 from vramgraph.graph.workflow import ui_to_api
 from vramgraph.models import fp8, loading
-from vramgraph.models.tiny import MARKINGS
+from vramgraph.models.tiny import MARKINGS, TINY_SMALL_DECODER_VAE
 from vramgraph.nodes import ENGINE_NODES, estimates
 
 CORE_T2I = {"UNETLoader", "CLIPLoader", "VAELoader", "CLIPTextEncode", "CFGGuider", "KSamplerSelect",
@@ -145,7 +145,8 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.nn.Module]:
 
 def assert_ran_as_stored(models: set[str], modules: dict[str, torch.nn.Module], root: Path) -> None:
     """The models a template ran on computed with exactly their files' fp8 layers, kept in fp8, with the files'
-    scales; the fp8 names hold fp8 layers (not stand-ins), the others none. The fp8mixed encoder is mixed."""
+    scales; the fp8 names hold fp8 layers (not stand-ins), the others none. The fp8mixed encoder is mixed, the
+    small decoder narrower than its encoder (the widths of the tiny one)."""
     for name in models:
         (path,) = root.rglob(name)
         stored = stored_fp8_layers(path)
@@ -153,6 +154,9 @@ def assert_ran_as_stored(models: set[str], modules: dict[str, torch.nn.Module], 
         assert fp8_layers(modules[name]) == stored, name
         if "fp8mixed" in name:
             assert any(isinstance(m, torch.nn.Linear) for m in modules[name].layers[0].modules()), name
+        if name == "full_encoder_small_decoder.safetensors":
+            cfg = modules[name].cfg
+            assert cfg.decoder_widths == TINY_SMALL_DECODER_VAE.decoder_channels != cfg.channels
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))

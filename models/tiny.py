@@ -81,7 +81,7 @@ FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 
 def quantize_fp8(sd: dict, *, fmt: str = "float8_e4m3fn", marking: str = "metadata", layers: Any = None,
-                 input_scale: Any = None, uint8: bool = False, prefix: str = ""
+                 input_scale: Any = None, uint8: bool = False, prefix: str = "", rest: Any = None
                  ) -> tuple[dict, dict[str, str]]:
     """A state dict's Linear weights quantised per tensor the way ComfyUI stores fp8 checkpoints; (tensors, metadata).
 
@@ -93,7 +93,10 @@ def quantize_fp8(sd: dict, *, fmt: str = "float8_e4m3fn", marking: str = "metada
     `marking` is one of MARKINGS:
     `_quantization_metadata` in the header (returned as metadata), per-layer `<layer>.comfy_quant` uint8 JSON
     tensors, or legacy `scaled_fp8` with `scale_weight` / `scale_input`. `prefix` ("model.diffusion_model.") is
-    put before every key and metadata layer name, as in a ComfyUI checkpoint. Pass the result to safetensors'
+    put before every key and metadata layer name, as in a ComfyUI checkpoint. `rest` (a torch dtype or its name,
+    "bfloat16") casts the floating-point tensors left unquantised, as a real fp8 file keeps them in bf16 (None: as
+    they are). Meta tensors give meta results (shapes and dtypes only: a header of the real sizes), the small
+    marker and input-scale tensors excepted. Pass the result to safetensors'
     `save_file(tensors, path, metadata=metadata)`.
     """
     import torch
@@ -102,11 +105,12 @@ def quantize_fp8(sd: dict, *, fmt: str = "float8_e4m3fn", marking: str = "metada
         raise ValueError(f"fmt is one of {list(FP8_MAX)}, marking one of {list(MARKINGS)}")
     fp8 = getattr(torch, fmt)
     pick = layers or (lambda name: True)
+    plain = getattr(torch, rest) if isinstance(rest, str) else rest
     out: dict = {}
     marked: dict[str, dict[str, str]] = {}
     for key, w in sd.items():
         if not (key.endswith(".weight") and w.ndim == 2 and w.is_floating_point() and pick(key)):
-            out[prefix + key] = w
+            out[prefix + key] = w.to(plain) if plain is not None and w.is_floating_point() else w
             continue
         layer = prefix + key.removesuffix(".weight")
         wf = w.detach().float()

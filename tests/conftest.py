@@ -22,11 +22,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Tiny random-weight models and small input images for the end-to-end tests (engine, CLI, ComfyUI templates).
 
 # File names the shipped workflows and ComfyUI's six FLUX.2 [klein] templates reference, all served by the same tiny
-# models (the 9B names too: tiny models have no size). The fp8 and fp8mixed names hold tiny fp32 weights until the
-# fp8 loader lands (issue 12, items 1-2): they stand in for them only to run the templates unchanged (tests/
-# test_templates.py FP8_STANDINS lists them). full_encoder_small_decoder is a real (tiny) small decoder: a narrower
-# decoder than its encoder. ALT_TRANSFORMER is a second transformer file (a different model to the engine: another
-# path) with the same weights.
+# models (the 9B names too: tiny models have no size). The fp8 and fp8mixed names are real fp8 files (TINY_FP8).
+# full_encoder_small_decoder is a real (tiny) small decoder: a narrower decoder than its encoder. ALT_TRANSFORMER is a
+# second transformer file (a different model to the engine: another path) with the same weights.
 ALT_TRANSFORMER = "flux-2-klein-4b-alt.safetensors"
 TINY_MODEL_NAMES = {
     "transformer": ["flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors",
@@ -36,6 +34,30 @@ TINY_MODEL_NAMES = {
     "text_encoder": ["qwen_3_4b.safetensors", "qwen_3_8b_fp8mixed.safetensors"],
     "vae": ["flux2-vae.safetensors"],
     "small_decoder": ["full_encoder_small_decoder.safetensors"],
+}
+
+
+def _block_linear(key: str) -> bool:
+    return "_blocks." in key
+
+
+def _not_layer_0(key: str) -> bool:
+    return key.startswith("model.layers.") and not key.startswith("model.layers.0.")
+
+
+# The fp8 files, as models.tiny.quantize_fp8's arguments: e4m3 per tensor, the other tensors in bf16. The transformers
+# keep only their block linears in fp8, with an input scale each (BFL's klein fp8 files, by their size: shared/
+# reference/checkpoint-formats.md 1e); each of ComfyUI's three markings serves at least one template, with and without
+# the "model.diffusion_model." prefix. The fp8mixed encoder (which of its layers the real file stores in fp8 is not
+# known) has every decoder layer's linears in fp8 but layer 0's, and its embedding in bf16.
+FP8_BLOCKS = {"layers": _block_linear, "input_scale": 0.5, "rest": "bfloat16"}
+TINY_FP8 = {
+    "flux-2-klein-4b-fp8.safetensors": {**FP8_BLOCKS, "marking": "metadata", "prefix": "model.diffusion_model."},
+    "flux-2-klein-base-4b-fp8.safetensors": {**FP8_BLOCKS, "marking": "comfy_quant"},
+    "flux-2-klein-9b-fp8.safetensors": {**FP8_BLOCKS, "marking": "scaled_fp8", "prefix": "model.diffusion_model."},
+    "flux-2-klein-base-9b-fp8.safetensors": {**FP8_BLOCKS, "marking": "metadata"},
+    "flux-2-klein-9b-kv-fp8.safetensors": {**FP8_BLOCKS, "marking": "comfy_quant", "prefix": "model.diffusion_model."},
+    "qwen_3_8b_fp8mixed.safetensors": {"marking": "comfy_quant", "layers": _not_layer_0, "rest": "bfloat16"},
 }
 # Input images: the shipped edit workflows' references and the images ComfyUI's edit templates load.
 INPUT_IMAGES = {"reference.png": (80, 64), "reference_2.png": (64, 96), "handbag_white.png": (80, 64),
@@ -49,7 +71,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ComfyUI-style models/ folder (diffusion_models/, text_encoders/, vae/) of tiny models, read-only to tests."""
     from vramgraph.models.tiny import write_tiny_models
 
-    return write_tiny_models(tmp_path_factory.mktemp("tiny") / "models", names=TINY_MODEL_NAMES)
+    return write_tiny_models(tmp_path_factory.mktemp("tiny") / "models", names=TINY_MODEL_NAMES, quantize=TINY_FP8)
 
 
 @pytest.fixture(scope="session")

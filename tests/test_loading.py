@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vramgraph.models import flux2, loading, qwen3, vae
+from vramgraph.models import dtypes, flux2, loading, qwen3, vae
 from vramgraph.models.headers import CheckpointError
 
 GiB = 2**30
@@ -18,16 +18,26 @@ GiB = 2**30
 
 def header_only(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> Path:
     """A safetensors file with a true header for `shapes` and no tensor bytes after it."""
-    table, off = {}, 0
-    for k, shape in shapes.items():
-        n = 2 if dtype in ("BF16", "F16") else 4
-        for d in shape:
-            n *= d
-        table[k] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+    t = dtypes.stored_torch_dtype(dtype)
+    return header_of(path, {k: torch.empty(shape, dtype=t, device="meta") for k, shape in shapes.items()})
+
+
+def header_of(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    """A safetensors file with a true header for `tensors` (meta tensors: their shape and dtype) and `metadata`,
+    whose data holds the bytes of the tensors that are not meta only (small ones a reader of headers needs, such as
+    `.comfy_quant` markers; they come first, the meta tensors' bytes would follow)."""
+    table: dict = {"__metadata__": metadata} if metadata else {}
+    data, off = bytearray(), 0
+    for k in sorted(tensors, key=lambda k: tensors[k].is_meta):
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        table[k] = {"dtype": dtypes.stored_name(t.dtype, ""), "shape": list(t.shape), "data_offsets": [off, off + n]}
         off += n
+        if not t.is_meta:
+            data += t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     raw = json.dumps(table).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
     return path
 
 

@@ -69,6 +69,21 @@ def test_normal_and_sgm_uniform_shift_the_timesteps_again(steps):
     close(schedules.schedule("sgm_uniform", steps), [*sgm, 0.0], 1e-5)
 
 
+@pytest.mark.parametrize("steps", [1, 2, 4, 6, 8, 20, 50])
+@pytest.mark.parametrize("shift", [SHIFT, 1.15, 3.0])
+def test_normal_is_comfyuis_float32_arithmetic_bit_for_bit(steps, shift):
+    # ComfyUI's normal_scheduler for ModelSamplingFlux, step by step in its float32: the table t = k / 10000
+    # (arange / int), sigma(t) = e^mu / (e^mu + 1/t - 1); torch.linspace from the table's last entry to its
+    # first (timestep(sigma) = sigma); each timestep through sigma(t) again; sigma(first) is not within 1e-5 of
+    # 0, so a 0 is appended. Bit equality matters: dpmpp_2m magnifies the last sigmas (next test).
+    e = math.exp(shift)
+    table = e / (e + (1 / (torch.arange(1, 10001, 1) / 10000) - 1))
+    assert table.dtype == torch.float32 and not math.isclose(float(e / (e + 1 / table[0] - 1)), 0, abs_tol=1e-5)
+    ts = torch.linspace(table[-1], table[0], steps)
+    want = torch.cat([e / (e + (1 / ts - 1)), torch.zeros(1)])
+    assert torch.equal(schedules.schedule("normal", steps, shift), want)
+
+
 def _beta_reference(steps: int, ppf) -> list[float]:
     ts = np.rint(np.array([ppf(q) for q in 1 - np.arange(steps) / steps]) * 9999)
     out = [TABLE[int(t)] for k, t in enumerate(ts) if k == 0 or t != ts[k - 1]]
@@ -189,12 +204,15 @@ def test_heun_is_karras_algorithm_1():
     assert rec.sigmas == pytest.approx(seen)  # two evaluations a step, one on the step to 0
 
 
-def test_dpmpp_2m_is_the_multistep_data_prediction_solver():
+@pytest.mark.parametrize("scheduler", ["simple", "normal", "karras"])
+def test_dpmpp_2m_is_the_multistep_data_prediction_solver(scheduler):
     # Lu et al. 2022 (DPM-Solver++(2M)) in lambda = -log sigma: x' = (s'/s) x + (1 - s'/s) D, with
     # D = (1 + 1/2r) x0_i - 1/2r x0_{i-1}, r = h_{i-1} / h_i; first order on the first and the last step
+    # (ComfyUI's sample_dpmpp_2m, which has no other special case: not for the normal schedule's tiny last sigma)
     x = start()
-    got = samplers.run("dpmpp_2m", Recorder(), x, SIGMAS)
-    sig = SIGMAS.tolist()
+    sigmas = schedules.schedule(scheduler, 6)
+    got = samplers.run("dpmpp_2m", Recorder(), x, sigmas)
+    sig = sigmas.tolist()
     y, old = x.double(), None
     for i in range(len(sig) - 1):
         s, sn = sig[i], sig[i + 1]
@@ -206,6 +224,37 @@ def test_dpmpp_2m_is_the_multistep_data_prediction_solver():
         y = sn / s * y + (1 - sn / s) * dd
         old = x0
     close(got, y.numpy(), 1e-5)
+
+
+def test_dpmpp_2m_extrapolates_tenfold_into_the_normal_schedules_last_sigma():
+    # Why dpmpp_2m + normal is the one pair whose picture is sensitive to the model's rounding: normal's sigmas
+    # fall from sigma(0.2-ish) to sigma(sigma_min) ~ 0.0057 in one step, so that step's h = log(s/s') dwarfs the
+    # previous one and D = (1 + 1/2r) x0_i - 1/2r x0_{i-1} weighs the two denoised estimates by about +10.8
+    # and -9.8 (at 6 steps; the other schedulers stay under 2.6). Every scheduler here, in float64.
+    def weights(sig):
+        """1 + 1/2r of each second-order step, r = h_{i-1} / h_i."""
+        return [1 + math.log(sig[i] / sig[i + 1]) / (2 * math.log(sig[i - 1] / sig[i]))
+                for i in range(1, len(sig) - 1) if sig[i + 1] > 0]
+
+    normal = [*shifted(np.linspace(SIGMA_MAX, SIGMA_MIN, 6)), 0.0]
+    assert normal[-2] == pytest.approx(shifted(SIGMA_MIN)) and normal[-2] < 0.006
+    assert 10.5 < weights(normal)[-1] < 11 and max(weights(normal)[:-1]) < 2.3
+    others = {"simple": [TABLE[-1 - int(i * 10000 / 6)] for i in range(6)] + [0.0],
+              "karras": [*(SIGMA_MAX ** (1 / 7) + np.linspace(0, 1, 6) * (SIGMA_MIN ** (1 / 7) - SIGMA_MAX ** (1 / 7)))
+                         ** 7, 0.0],
+              "exponential": [*np.exp(np.linspace(math.log(SIGMA_MAX), math.log(SIGMA_MIN), 6)), 0.0]}
+    assert all(max(weights(sig)) < 2.6 for sig in others.values())
+    # so a change e of the model's output v (x0 = x - sigma v) at the call before that step moves its result by
+    # (s_i - s_i+1) e (1 + 1/2r), where Euler's moves by (s_i - s_i+1) e: the picture's differences grow w-fold
+    sigmas = torch.tensor(normal, dtype=torch.float32)
+    x, bump, at = start(), 1e-3, float(sigmas[4])
+
+    def changed(x, sigma):
+        return gaussian_x0(x, sigma) - (sigma * bump if float(sigma) == at else 0)
+
+    moved = {name: (samplers.run(name, changed, x, sigmas) - samplers.run(name, gaussian_x0, x, sigmas)).abs().mean()
+             for name in ("dpmpp_2m", "euler")}
+    assert float(moved["dpmpp_2m"] / moved["euler"]) == pytest.approx(weights(normal)[-1], rel=1e-3)
 
 
 def test_euler_ancestral_is_the_rectified_flow_ancestral_step():

@@ -16,7 +16,7 @@ and asked, through its HTTP API only:
 
 Model sets:
 - tiny: the tests' tiny random-weight models under the templates' file names (tests/conftest.py TINY_MODEL_NAMES),
-  sizes and steps made small as tests/test_templates.py does;
+  sizes and steps made small as tests/test_templates.py does (the comfy set's too);
 - full: header-only files of the real sizes (tests/test_templates.py _header_only_models), templates unchanged: the
   plans at full size; ComfyUI's runs end at its loaders (no weights);
 - comfy: files ComfyUI's model detection accepts, for the templates named with --comfy-templates (the 4B ones by
@@ -218,7 +218,7 @@ def run_summary(url: str, prompt: dict, ui: dict, timeout: float) -> dict:
     return out
 
 
-def templates(c: ComfyUI, info: dict, names: list[str], small: bool, timeout: float) -> dict:
+def templates(c: ComfyUI, info: dict, names: list[str], small: bool, timeout: float, save: Any) -> dict:
     from vramgraph.graph.workflow import ui_to_api
     from vramgraph.nodes import ENGINE_NODES
 
@@ -239,6 +239,7 @@ def templates(c: ComfyUI, info: dict, names: list[str], small: bool, timeout: fl
                                           and set(res["plan"]["models"]) == models)
         res["prompt"] = run_summary(c.url, prompt, ui, timeout)
         out[name] = res
+        save(out)  # a long run leaves what it has
         print(name, json.dumps({k: res[k] for k in ("plan", "prompt")})[:600], flush=True)
     return out
 
@@ -300,7 +301,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    report: dict[str, Any] = {"comfyui_commit": a.commit, "sets": {}}
+    # sets already in --out from an earlier run stay, each with the commit of the code that ran it
+    report: dict[str, Any] = json.loads(a.out.read_text()) if a.out.is_file() else {"sets": {}}
+    report["comfyui_commit"] = a.commit
     for kind in a.sets.split(","):
         base = a.work / kind
         models, names = base / "models", list(TEMPLATES)
@@ -320,17 +323,31 @@ def main() -> None:
         args = ("--bf16-text-enc",) if kind == "comfy" else ()
         with ComfyUI(a.comfyui, a.python, base, a.port, args) as c:
             info = call(c.url, "/object_info")
-            entry: dict[str, Any] = {"startup": startup(c, info)}
+            entry: dict[str, Any] = {"vramgraph_commit": _git_head(), "startup": startup(c, info)}
             print(kind, json.dumps(entry["startup"])[:800], flush=True)
             if kind != "full":
                 entry["loaders"] = loader_probes(c, info, names, a.timeout)
-            entry["templates"] = templates(c, info, names, small=kind == "tiny", timeout=a.timeout)
+            # the tiny and comfy sets run at the tests' small sizes and step counts (ComfyUI's detection does not look
+            # at them; at the templates' 1 MP and 20 steps, text to image alone took 17 minutes here)
+            entry["templates"] = templates(c, info, names, small=kind != "full", timeout=a.timeout,
+                                           save=lambda done, e=entry, k=kind: save(a.out, report, k, e, done))
             if kind == "tiny":
                 entry["vg_workflows"] = vg_workflows(c, a.timeout)
-        report["sets"][kind] = entry
-        report["summary"] = summary(report)
-        a.out.write_text(json.dumps(report, indent=1))
+        save(a.out, report, kind, entry, entry["templates"])
     print(json.dumps(report["summary"], indent=1))
+
+
+def save(out: Path, report: dict, kind: str, entry: dict, done: dict) -> None:
+    report["sets"][kind] = {**entry, "templates": done}
+    report["summary"] = summary(report)
+    out.write_text(json.dumps(report, indent=1))
+
+
+def _git_head() -> str:
+    got = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return got.stdout.strip() + ("+changes" if dirty else "")
 
 
 def summary(report: dict) -> dict:

@@ -24,13 +24,13 @@ def call(base: str, path: str, body: dict | None = None) -> dict:
         return {"http_error": e.code, "body": e.read().decode()[:3000]}
 
 
-def run(base: str, prompt: dict) -> dict:
+def run(base: str, prompt: dict, extra_data: dict | None = None, timeout: float = 300) -> dict:
     t0 = time.time()
-    posted = call(base, "/prompt", {"prompt": prompt, "client_id": "pack-check"})
+    posted = call(base, "/prompt", {"prompt": prompt, "client_id": "pack-check", "extra_data": extra_data or {}})
     if "prompt_id" not in posted:
         return {"posted": posted}
     pid = posted["prompt_id"]
-    while time.time() - t0 < 300:
+    while time.time() - t0 < timeout:
         hist = call(base, f"/history/{pid}")
         st = hist.get(pid, {}).get("status", {})
         if st.get("status_str") in ("success", "error"):

@@ -38,7 +38,8 @@ blocks, variants, its table); per node the estimate (the activation, and for a s
 and its staging buffers) against torch's measured peak above the weights resident when the node started (the
 executor's own measurement, graph/executor.py), and their ratio; torch's peak allocated and reserved; the device's
 memory in use at its peak (cudaMemGetInfo polled every `--poll-ms`, and NVML's where nvidia-ml-py answers) minus the
-card; the CUDA context (total - free - torch's reserved) before and after; wall time.
+card; the CUDA context (total - free - torch's reserved) before and after; the run's wall time (`seconds`) and the
+cell's reset, pinning and planning before it (`prepare_s`).
 
 `--cpu` runs the same cells on the CPU with tiny random-weight models (written once to /tmp/vramgraph-oom-matrix-cpu),
 cards in MiB and no reserve (the CLI's 256 MiB would leave the tiny cards nothing): planning, the step search, the
@@ -167,10 +168,13 @@ def run_cell(engine: Engine, a: argparse.Namespace, workflow: str, card: int, si
             "kind": "streaming_floor" if STREAMING_FLOOR in e.message else "does_not_fit", "node": e.node,
             "class_type": e.class_type, "min_budget_gib": e.extra.get("min_budget_gib"), "message": e.message})
         return cell
+    except ValueError as e:  # budget_for: the card leaves nothing after the context and the margin
+        cell.update(status="error", error=f"{type(e).__name__}: {e}")
+        return cell
     b, p = engine.budget, prep.plan
     runs = {s.step.node: s for s in p.steps if isinstance(s.step, planner.Run)}
     cell.update(
-        steps=steps, own_steps=own, plan_is_own_steps_plan=same, planning_s=round(time.perf_counter() - t0, 3),
+        steps=steps, own_steps=own, plan_is_own_steps_plan=same, prepare_s=round(time.perf_counter() - t0, 3),
         budget=_gib(b.gpu, unit), reserve=_gib(b.reserve, unit), outside_allocator=_gib(b.outside_allocator, unit),
         plan={"loads": p.loads, "unloads": sum(isinstance(s.step, planner.Unload) for s in p.steps),
               "moved_gib": _gib(p.bytes_moved), "streamed_gib": _gib(p.streamed_bytes), "peak": _gib(p.peak, unit),
@@ -293,7 +297,7 @@ def summarize(cells: list[dict]) -> dict:
         "over_card_cells": [where(c) for c in cells if (c.get("device_peak_minus_card_gib") or 0) > 0],
         "plans_not_the_own_steps_plan": [where(c) for c in cells if c.get("plan_is_own_steps_plan") is False],
         "steps_run": steps,
-        "seconds": round(sum(c.get("seconds", 0) + c.get("planning_s", 0) for c in cells), 1),
+        "seconds": round(sum(c.get("seconds", 0) + c.get("prepare_s", 0) for c in cells), 1),
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import threading
 import time
 from pathlib import Path
 
@@ -120,3 +121,56 @@ def peak_bytes(fn, *args) -> int:
     fn(*args)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
+
+
+class DevicePoll(threading.Thread):
+    """The peak device memory in use while it runs (`with DevicePoll(0.02) as p: ...`), sampled every `period` seconds
+    in a thread: CUDA's view, `total - free` of cudaMemGetInfo (this process's context, its allocator's holdings and
+    anything else on the device), and where nvidia-ml-py works, NVML's device `used` (which also counts the memory the
+    driver keeps for itself: 0.60 GiB more on the H200, graph/budget.py) and this process's `usedGpuMemory`."""
+
+    def __init__(self, period: float = 0.002, index: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.period, self.index = period, index
+        self.peak, self.samples = 0, 0
+        self.nvml_peak: int | None = None
+        self.nvml_process_peak: int | None = None
+        self._done = threading.Event()
+        self._nvml = None
+        try:  # one GPU per machine here: CUDA's device `index` is NVML's too
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
+        except Exception:  # no nvidia-ml-py, or NVML does not answer: CUDA's view alone
+            self._nvml = None
+
+    def sample(self) -> None:
+        free, total = torch.cuda.mem_get_info(self.index)
+        self.peak = max(self.peak, total - free)
+        self.samples += 1
+        if self._nvml is not None:
+            nv, handle = self._nvml
+            self.nvml_peak = max(self.nvml_peak or 0, nv.nvmlDeviceGetMemoryInfo(handle).used)
+            try:
+                mine = [p.usedGpuMemory for p in nv.nvmlDeviceGetComputeRunningProcesses(handle)
+                        if p.pid == os.getpid() and p.usedGpuMemory is not None]
+            except Exception:  # not every driver (or sandbox) lists processes
+                mine = []
+            if mine:
+                self.nvml_process_peak = max(self.nvml_process_peak or 0, mine[0])
+
+    def run(self) -> None:
+        while not self._done.wait(self.period):
+            self.sample()
+
+    def __enter__(self) -> DevicePoll:
+        self.sample()
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize(self.index)
+        self._done.set()
+        self.join()
+        self.sample()

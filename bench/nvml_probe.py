@@ -2,36 +2,24 @@
 
     python3 bench/nvml_probe.py OUT.json
 
-Polls cudaMemGetInfo every 2 ms in a thread while running the VAE decode (1024², 2048²) and a klein-4B
-transformer step, with cuDNN on and off, and reports the peak device use minus torch's peak reserved.
+Polls cudaMemGetInfo every 2 ms in a thread (_common.DevicePoll) while running the VAE decode (1024², 2048²) and a
+klein-4B transformer step, with cuDNN on and off, and reports the peak device use minus torch's peak reserved.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
+from _common import DevicePoll
 from vramgraph.models.flux2 import KLEIN_4B, Flux2Transformer
 from vramgraph.models.vae import Flux2VAE
 from vramgraph.nodes import ops
 
 GiB = 2**30
-
-
-class Poll(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak, self.stop = 0, False
-
-    def run(self) -> None:
-        while not self.stop:
-            free, total = torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
-            time.sleep(0.002)
 
 
 def probe(name: str, fn) -> dict:
@@ -40,13 +28,10 @@ def probe(name: str, fn) -> dict:
     torch.cuda.reset_peak_memory_stats()
     free, total = torch.cuda.mem_get_info()
     base_outside = (total - free) - torch.cuda.memory_reserved()
-    p = Poll()
-    p.start()
-    fn()
-    torch.cuda.synchronize()
-    time.sleep(0.02)
-    p.stop = True
-    p.join()
+    with DevicePoll(0.002) as p:
+        fn()
+        torch.cuda.synchronize()
+        time.sleep(0.02)
     free, total = torch.cuda.mem_get_info()
     after_outside = (total - free) - torch.cuda.memory_reserved()
     r = {"case": name, "device_peak_gib": round(p.peak / GiB, 3),

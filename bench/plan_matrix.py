@@ -45,7 +45,8 @@ WORKFLOW = Path(__file__).parents[1] / "workflows" / "text_to_image.json"
 
 
 def write_models(root: Path) -> None:
-    """Real-shape random bf16 checkpoints in ComfyUI layout (built on the GPU, saved to host RAM)."""
+    """Real-shape random bf16 checkpoints in ComfyUI layout (built on the GPU, saved to host RAM); the base
+    transformer's file name (text_to_image_base.json) is a hard link to the same weights."""
     parts = {
         f"diffusion_models/{SHIPPED_NAMES['transformer'][0]}": lambda: Flux2Transformer(KLEIN_4B),
         f"text_encoders/{SHIPPED_NAMES['text_encoder']}": lambda: Qwen3Encoder(Qwen3Config()),
@@ -65,6 +66,10 @@ def write_models(root: Path) -> None:
         del m
         torch.cuda.empty_cache()
         save_file(sd, str(path))
+    models = root / "models" / "diffusion_models"
+    for name in SHIPPED_NAMES["transformer"][1:]:
+        if not (models / name).exists():
+            os.link(models / SHIPPED_NAMES["transformer"][0], models / name)
 
 
 def pinned_h2d() -> float:
@@ -89,8 +94,9 @@ def reset(engine: Engine) -> None:
         engine.ledger.ensure_pinned(key)  # a model the last plan never pinned would otherwise reload from the file
     for key in list(engine.ledger.on_gpu):
         engine.ledger.unload(key, "pinned")
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if engine.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def prompt_for(side: int, i: int) -> dict:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the device machine from the repository root, with `.whl` carried (see README "GPU benchmarks"):
 #   bash bench/run_device.sh "equivalence speed load_rss checkpoints tests"   ("tests": the gpu-marked tests)
+#   bash bench/run_device.sh oom_matrix --cards 6,8      (arguments after the names go to every benchmark named)
 # Installs the carried wheels (diffusers) beside the image's torch/transformers, makes this checkout
 # importable as `vramgraph`, and writes each benchmark's JSON report to $OUT (or ./out).
 set -eu
@@ -14,6 +15,6 @@ for b in ${1:-equivalence speed load_rss}; do
   if [ "$b" = tests ]; then
     python3 -m pytest -q -rs -m gpu tests 2>&1 | tee "$out/gpu-tests.txt" || echo "== $b FAILED"
   else
-    python3 "bench/$b.py" "$out/$b.json" || echo "== $b FAILED"
+    python3 "bench/$b.py" "$out/$b.json" "${@:2}" || echo "== $b FAILED"
   fi
 done

@@ -90,12 +90,15 @@ def card_budget(card: int, context: int, reserve: int = DEFAULT_RESERVE) -> int:
 
 
 def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | None = None,
-               host: str | int | None = None, *, cap: bool = True) -> Budget:
+               host: str | int | None = None, *, cap: bool = True, context: int | None = None) -> Budget:
     """The budget on `device` (a torch.device or its name; None: no device, a plan for the card `vram` describes,
     with CONTEXT_ESTIMATE for its CUDA context: the budget the GPU run computes for that card). Only a CUDA device is
     measured, and only then is torch imported; on the CPU "the GPU" is host memory, capped to `vram` if given.
     With `vram` (and `cap`) torch's allocator is capped to that card's size; `cap=False`
-    computes the same budget without touching the allocator (a plan for another card than the one running)."""
+    computes the same budget without touching the allocator (a plan for another card than the one running).
+    `context`: the bytes this process holds outside torch's allocator, instead of measuring them now
+    (bench/oom_matrix.py gives every cell of a long-running process the context it measured at its start, as a fresh
+    CLI process measures it)."""
     res = DEFAULT_RESERVE if reserve is None else _size("--reserve", reserve)
     host_bytes = _size("--host", host) if host is not None else max(GiB, host_available() - HOST_MARGIN)
     card = _size("--vram", vram) if vram is not None else None
@@ -114,7 +117,8 @@ def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | 
     torch.cuda.init()
     free, total = torch.cuda.mem_get_info(index)
     ours = torch.cuda.memory_reserved(index)
-    outside = max(0, total - free - ours)  # this process's context (assumes the device is not shared)
+    # this process's context (assumes the device is not shared), unless the caller gives it
+    outside = max(0, total - free - ours) if context is None else context
     if card is None:
         if cap:
             torch.cuda.set_per_process_memory_fraction(1.0, index)  # undo an earlier cap in this process

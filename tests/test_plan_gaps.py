@@ -196,6 +196,25 @@ def test_the_plan_off_the_gpu_has_the_budget_of_the_gpu_run(monkeypatch: pytest.
     assert round(budget_mod.budget_for(None, "12GiB").gpu / GiB, 2) == 9.96
 
 
+def test_a_given_context_replaces_the_measured_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`budget_for(..., context=C)` counts C as the CUDA context instead of what the device shows now (the budget a
+    fresh process computed, kept by bench/oom_matrix.py for every cell of a warm one), and caps torch to it."""
+    torch = pytest.importorskip("torch")
+    total, now, fresh = 140 * GiB, 2 * GiB, 700 * 2**20
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (total - now, total))
+    caps = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, index=None: caps.append(f))
+    measured = budget_mod.budget_for("cuda", "12GiB")
+    given = budget_mod.budget_for("cuda", "12GiB", context=fresh)
+    assert measured.gpu == budget_mod.card_budget(12 * GiB, now, DEFAULT_RESERVE)
+    assert given.gpu == budget_mod.card_budget(12 * GiB, fresh, DEFAULT_RESERVE) == measured.gpu + now - fresh
+    assert given.outside_allocator == fresh + budget_mod.CARD_MARGIN
+    assert caps[-1] == pytest.approx((given.gpu + DEFAULT_RESERVE) / total)
+
+
 def test_reserve_default_is_the_documented_one(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--help"])

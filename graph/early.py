@@ -10,6 +10,11 @@ decodes), stay within the GPU budget. Its models are loaded once either way, so 
 (encode all, sample all, decode all) would not move, and the first image is written after the first sample instead of
 after the last. Residency along the order is sketched as in the order pass: models stay until the budget forces the
 least recently used out.
+
+The sketch counts a streamed node at its least need (its variant's `activation`), but the planner gives it whatever
+room there is: a streamed sampler may push out the VAE that a decode here let in beside it, and the next decode loads
+it again. So the planner keeps this order only where its residency moves no more bytes than pass 1's order or the
+order grouped stage by stage (graph/planner.py `plan`).
 """
 
 from __future__ import annotations

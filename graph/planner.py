@@ -757,7 +757,7 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         if _host_peak(grouped, dag, costs) > host_room:
             grouped = order
         tried = [chosen]
-        for cand in (early(grouped), grouped):
+        for cand in (early(grouped) if grouped != order else chosen, grouped):
             held = _host_peak(cand, dag, costs)
             if cand in tried or held > host_room:
                 continue

@@ -1,18 +1,23 @@
 """The planner alone over workflows x cards x sizes x queue lengths, on the CPU (no GPU, no weights).
 
     python3 bench/plan_cells.py OUT.json [--cards 6,8,10,12,16,24,80] [--sizes 512,1024,1536,2048]
-                                         [--queues 1,2,8] [--profile h200]
+                                         [--queues 1,2,8] [--profile h200] [--host 64GiB]
     python3 bench/plan_matrix.py OUT.json --plan-only ...      (the same)
 
 Every shipped workflow is planned with the built-in klein-4B sizes, for each card with the budget the GPU run
-computes for that card (graph/budget.py `card_budget`, with the CUDA context estimate), as one queue of N
+computes for that card (graph/budget.py `card_budget`, with the CUDA context estimate) and --host of host RAM (64 GiB
+unless told: pinned copies of every model fit, as on the GPU host, whatever this machine has free), as one queue of N
 prompts (new text and seed each, as `vramgraph run a.json b.json` or `generate -p .. -p ..` plans them).
-Reported per cell: rejected (which node, the budget it would need), loads, bytes moved by Load steps, the
-predicted seconds, the planner's own time (`planner.plan` on the estimated queue, validation and estimates
-apart), and `grouped_gib`: the fewest bytes any whole-model residency can move when the same runs (the same
-variants) go in the grouped order (encode every prompt, then each later stage for every prompt), by an exact
-dynamic programme over the resident sets (as ../shared/tools/plan_bound.py, with this cell's sizes). The
-acceptance is bytes moved <= 1.05 x grouped_gib in every cell, and planning time for 64 queued prompts.
+Reported per cell: rejected (which node, the budget it would need), loads, bytes moved by Load steps
+(`gib_moved`) and by streaming (`gib_streamed`: each streamed node's resident blocks uploaded once and its streamed
+blocks in every pass, Plan.streamed_bytes), the predicted seconds, the planner's own time (`planner.plan` on the
+estimated queue, validation and estimates apart), and `grouped_gib`: the fewest bytes, loads and streaming
+together, that any whole-model residency moves when the same runs (the same variants) go in the grouped order
+(encode every prompt, then each later stage for every prompt), by an exact dynamic programme over the resident sets
+(as ../shared/tools/plan_bound.py, with this cell's sizes); a streamed run there costs the bytes of the blocks the
+planner would keep and stream in the room that resident set leaves (graph/residency.py `choose`), so a VAE kept
+beside a streamed sampler is paid for in streamed blocks, as in the plan. The acceptance is gib_moved + gib_streamed
+<= 1.05 x grouped_gib in every cell, and planning time for 64 queued prompts.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ WORKFLOWS = ("text_to_image.json", "text_to_image_base.json", "edit.json", "mult
              "core_text_to_image.json")
 GiB = 2**30
 INPUT = Path(tempfile.gettempdir()) / "vramgraph-plan-cells-input"
+HOST = "64GiB"  # host RAM for pinned copies and outputs: all fit, as on the GPU host, whatever this machine has free
 
 
 def _import():
@@ -59,9 +65,13 @@ def prompts_for(workflow: str, side: int, n: int) -> list[dict]:
     return out
 
 
-def grouped_optimum(plan, node_costs: dict, models: dict) -> int | None:
-    """Fewest bytes loaded (from an empty GPU) by the plan's own runs in the grouped order, over all whole-model
-    residencies: a dynamic programme over the subsets of the models (integer bytes)."""
+def grouped_optimum(plan, node_costs: dict, models: dict) -> tuple[int, int] | None:
+    """(fewest bytes moved, loads and streaming, and the loads among them) from an empty GPU by the plan's own runs in
+    the grouped order, over all whole-model residencies: a dynamic programme over the subsets of the models (integer
+    bytes). A streamed run costs its block plan's bytes in the room the resident set leaves, chosen as the planner
+    chooses it."""
+    from vramgraph.graph import residency
+
     runs = []
     for s in plan.steps:
         st = s.step
@@ -77,14 +87,24 @@ def grouped_optimum(plan, node_costs: dict, models: dict) -> int | None:
     keys = sorted({m for _, v in runs for m in v.models})
     size = {k: models[k].nbytes for k in keys}
     budget = plan.budget.gpu
-    cost: dict[frozenset, int] = {frozenset(): 0}
+    cost: dict[frozenset, tuple[int, int]] = {frozenset(): (0, 0)}  # resident set -> (bytes moved, bytes loaded)
     states = [frozenset(k for i, k in enumerate(keys) if mask >> i & 1) for mask in range(1 << len(keys))]
     for _, v in runs:
         need = set(v.models)
         nxt = {}
         for st in states:
-            if need <= st and sum(size[k] for k in st) + v.activation <= budget:
-                nxt[st] = min(c + sum(size[k] for k in st - p) for p, c in cost.items())
+            held = sum(size[k] for k in st)
+            if not need <= st or held + v.activation > budget or st & set(v.streams):
+                continue
+            streamed = 0
+            if v.blocks is not None:
+                bp = residency.choose(v.blocks, budget - held, plan.cost.h2d_pinned)
+                if bp is None:
+                    continue
+                streamed = bp.resident_bytes + bp.total_streamed
+            moved, loaded = min((c[0] + sum(size[k] for k in st - p), c[1] + sum(size[k] for k in st - p))
+                                for p, c in cost.items())
+            nxt[st] = (moved + streamed, loaded)
         if not nxt:
             return None
         cost = nxt
@@ -114,9 +134,12 @@ def cell(planning, workflow: str, side: int, n: int, card: int) -> dict:
         p = planner.plan(todo, {k: node_costs[k] for k in todo.nodes}, models, planning.budget, planning.cost)
         times.append(time.perf_counter() - t0)
     best = grouped_optimum(p, node_costs, models)
+    moved = p.bytes_moved + p.streamed_bytes
     row.update(plan_ms=round(min(times) * 1e3, 3), loads=p.loads, gib_moved=round(p.bytes_moved / GiB, 3),
-               grouped_gib=None if best is None else round(best / GiB, 3),
-               over_grouped=None if not best else round(p.bytes_moved / best, 3),
+               gib_streamed=round(p.streamed_bytes / GiB, 3),
+               grouped_gib=None if best is None else round(best[0] / GiB, 3),
+               grouped_loads_gib=None if best is None else round(best[1] / GiB, 3),
+               over_grouped=None if not best or not best[0] else round(moved / best[0], 4),
                seconds=round(p.seconds, 3), peak_gib=round(p.peak / GiB, 3),
                variants={c: sorted({s.step.variant for s in p.steps if s.step.kind == "run"
                                     and prep.prompt[s.step.node]["class_type"] == c})
@@ -126,13 +149,11 @@ def cell(planning, workflow: str, side: int, n: int, card: int) -> dict:
     return row
 
 
-def planning_for(card: int, profile: str | None):
-    """The torch-free planning context `vramgraph plan --vram CARD` uses (klein sizes, no weights)."""
+def planning_for(card: int, profile: str | None, host: str = HOST):
+    """The torch-free planning context `vramgraph plan --vram CARD --host HOST` uses (klein sizes, no weights)."""
     from vramgraph.graph.api import Pipeline
 
-    pipe = Pipeline(input=str(INPUT))
-    kw = {"profile": profile} if profile else {}
-    return pipe._planner(f"{card}GiB", **kw) if kw else pipe._planner(f"{card}GiB")
+    return Pipeline(input=str(INPUT), host=host, profile=profile)._planner(f"{card}GiB")
 
 
 def demo_inputs() -> None:
@@ -157,9 +178,10 @@ def summarize(cells: list[dict]) -> dict:
         "rejected_by_node": {k: sum(1 for c in single if c.get("rejected", {}).get("node") == k)
                              for k in sorted({c["rejected"]["node"] for c in single if "rejected" in c})},
         "queue_cells_over_1.05x_grouped": [(c["workflow"], c["card_gib"], c["side"], c["queue"], c["gib_moved"],
-                                            c["grouped_gib"]) for c in over],
+                                            c["gib_streamed"], c["grouped_gib"]) for c in over],
         "max_over_grouped": max((c["over_grouped"] for c in done if c.get("over_grouped")), default=None),
         "gib_moved_total": round(sum(c["gib_moved"] for c in done), 2),
+        "gib_streamed_total": round(sum(c["gib_streamed"] for c in done), 2),
         "grouped_gib_total": round(sum(c["grouped_gib"] or 0 for c in done), 2),
         "plan_ms_max": max((c["plan_ms"] for c in done), default=None),
         "plan_ms_64_prompts": {"median": statistics.median(q64), "max": max(q64)} if q64 else None,
@@ -177,12 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--q64", default="text_to_image.json,edit.json", help="workflows also planned as 64 prompts "
                     "(at every card, 1024²) for the planning time")
     ap.add_argument("--profile", default=None, help="a cost profile name (graph/costs.py), default the planner's")
+    ap.add_argument("--host", default=HOST, help="host RAM the plans may use (default %(default)s: not what this "
+                    "machine has free, so that the cells do not change with it)")
     a = ap.parse_args(argv)
     _import()
     demo_inputs()
     cells = []
     for card in [int(c) for c in a.cards.split(",")]:
-        planning = planning_for(card, a.profile)
+        planning = planning_for(card, a.profile, a.host)
         for wf in a.workflows.split(","):
             for side in [int(s) for s in a.sizes.split(",")]:
                 queues = [int(q) for q in a.queues.split(",")]
@@ -194,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(json.dumps({k: v for k, v in row.items() if k != "variants"}), flush=True)
     report = {"env": {"python": platform.python_version(), "machine": platform.machine(),
                       "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-              "profile": a.profile, "cells": cells, "summary": summarize(cells)}
+              "profile": a.profile, "host": a.host, "cells": cells, "summary": summarize(cells)}
     Path(a.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report["summary"], indent=1))
 

@@ -10,6 +10,11 @@ decodes), stay within the GPU budget. Its models are loaded once either way, so 
 (encode all, sample all, decode all) would not move, and the first image is written after the first sample instead of
 after the last. Residency along the order is sketched as in the order pass: models stay until the budget forces the
 least recently used out.
+
+The sketch counts a streamed node at its least need (its variant's `activation`), but the planner gives it whatever
+room there is: a streamed sampler may push out the VAE that a decode here let in beside it, and the next decode loads
+it again. So the planner keeps this order only where its residency moves no more bytes than pass 1's order or the
+order grouped stage by stage (graph/planner.py `plan`).
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ def finish_early(order: Sequence[str], dag: nx.DiGraph, prov: Mapping[str, Varia
                  gpu: int, resident: Sequence[str] = ()) -> list[str]:
     """`order` with each finishing node moved up to the first point where it is ready and free (module docstring)."""
     need = {n: set(prov[n].models) for n in order}
-    finishing = {n for n in order if all(need.get(d, set()) <= need[n] for d in nx.descendants(dag, n))}
-    if not finishing:
+    after: dict[str, set[str]] = {}  # the models the node's descendants need
+    for n in reversed(list(nx.topological_sort(dag))):
+        after[n] = set().union(*(need.get(c, set()) | after[c] for c in dag.succ[n]))
+    pending = [n for n in order if after[n] <= need[n]]  # the finishing nodes not yet placed, in order
+    if not pending:
         return list(order)
     res: list[str] = list(resident)  # least recently used first
     left = list(order)
-    done: set[str] = set()
+    waits = {n: dag.in_degree(n) for n in pending}  # inputs not yet computed
     out: list[str] = []
 
     def free(n: str) -> bool:
@@ -41,10 +49,13 @@ def finish_early(order: Sequence[str], dag: nx.DiGraph, prov: Mapping[str, Varia
         return all(held + prov[m].activation <= gpu for m in left if need[m] <= joined)
 
     while left:
-        pick = next((n for n in left if n in finishing and all(p in done for p in dag.predecessors(n)) and free(n)),
-                    left[0])
+        pick = next((n for n in pending if not waits[n] and free(n)), left[0])
         left.remove(pick)
-        done.add(pick)
+        if pick in waits:
+            pending.remove(pick)
+        for c in dag.succ[pick]:
+            if c in waits:
+                waits[c] -= 1
         out.append(pick)
         v = prov[pick]
         for m in dict.fromkeys(v.models):

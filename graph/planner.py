@@ -13,7 +13,12 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    its last consumer has run) must stay within `budget.host` minus the pinned copies that already exist;
    a ready node that would exceed it is passed over, which falls back to finishing the earlier chains
    first. Residency in this pass is a rough sketch (least recently used models leave when the budget is
-   exceeded); the real residency is decided in pass 3.
+   exceeded); the real residency is decided in pass 3. Then graph/early.py moves each node that finishes an
+   output (a decode, its save) up to where its models join the resident ones for free, by the same sketch. The
+   sketch counts a streamed node at its least need, while pass 3 gives it all the room there is, so where pass 3
+   on that order loads a model twice or streams, it also runs on the order grouped stage by stage (`_grouped`:
+   every prompt's encode, then every reference, sample, decode), with results early and without, and the order
+   whose residency moves the fewest bytes, loads and streaming together, is kept (results early on a tie).
 2. **Pinned copies** (`_choose_pins`). Only a model that gets unloaded is ever reloaded, so only such models get
    a pinned host copy: those unloaded in this run or, with `repeat`, in the next one, and every model of the
    run when they cannot all stay on the GPU together (another prompt may push any of them out), while host RAM
@@ -37,12 +42,13 @@ Nothing is ever unloaded unless a node forces it out, and nothing is loaded befo
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -203,6 +209,16 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
+def _loaded(steps: Iterable[PlannedStep], models: Mapping[str, ModelCost]) -> int:
+    """Bytes copied host->GPU by the Load steps among `steps`."""
+    return sum(models[s.step.model].nbytes for s in steps if isinstance(s.step, Load))
+
+
+def _streamed(steps: Iterable[PlannedStep]) -> int:
+    """Bytes copied host->GPU by the streaming Runs among `steps` (every pass, and their resident blocks' upload)."""
+    return sum(s.blocks.total_streamed + s.blocks.resident_bytes for s in steps if s.blocks is not None)
+
+
 @dataclass(frozen=True)
 class Plan:
     steps: tuple[PlannedStep, ...]
@@ -220,12 +236,12 @@ class Plan:
     @property
     def bytes_moved(self) -> int:
         """Bytes copied host->GPU by the Load steps."""
-        return sum(self.models[s.step.model].nbytes for s in self.steps if isinstance(s.step, Load))
+        return _loaded(self.steps, self.models)
 
     @property
     def streamed_bytes(self) -> int:
         """Bytes copied host->GPU by the Runs that stream a model (every pass, and their resident blocks' upload)."""
-        return sum(s.blocks.total_streamed + s.blocks.resident_bytes for s in self.steps if s.blocks is not None)
+        return _streamed(self.steps)
 
     @property
     def seconds(self) -> float:
@@ -350,6 +366,10 @@ class _Sizes:
 
     def w(self, key: str) -> int:
         return self.models[key].nbytes
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        return {k: m.nbytes for k, m in self.models.items()}
 
     def weights(self, keys: tuple[str, ...]) -> int:
         got = self._cache.get(keys)
@@ -641,6 +661,55 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
     return _Assigned(steps, chosen, Residency(frozenset(resident), frozenset(pinned)), loads)
 
 
+def _grouped(order: list[str], dag: nx.DiGraph, costs: Mapping[str, NodeCost], prov: Mapping[str, Variant]
+             ) -> list[str]:
+    """`order` regrouped stage by stage: a topological order that runs next, among the ready nodes, one that needs no
+    GPU (a save), else one of the class that came first in `order`, the earliest first: a queue's encodes, then its
+    references, samples and decodes, each for every prompt."""
+    rank: dict[str, int] = {}
+    for n in order:
+        rank.setdefault(costs[n].class_type, len(rank))
+    pos = {n: i for i, n in enumerate(order)}
+
+    def key(n: str) -> tuple[int, int, str]:
+        v = prov[n]
+        return -1 if not (v.models or v.streams or v.activation) else rank[costs[n].class_type], pos[n], n
+
+    indeg = {n: dag.in_degree(n) for n in order}
+    ready = [key(n) for n in order if not indeg[n]]
+    heapq.heapify(ready)
+    out: list[str] = []
+    while ready:
+        n = heapq.heappop(ready)[2]
+        out.append(n)
+        for s in dag.succ[n]:
+            indeg[s] -= 1
+            if not indeg[s]:
+                heapq.heappush(ready, key(s))
+    return out
+
+
+def _host_peak(order: list[str], dag: nx.DiGraph, costs: Mapping[str, NodeCost]) -> int:
+    """The most host RAM that live node outputs hold along `order` (an output lives until its last consumer ran)."""
+    left = {n: dag.out_degree(n) for n in order}
+    live = peak = 0
+    for n in order:
+        live += costs[n].host_bytes
+        peak = max(peak, live)
+        for p in dag.predecessors(n):
+            left[p] -= 1
+            if left[p] == 0:
+                live -= costs[p].host_bytes
+        if left[n] == 0:
+            live -= costs[n].host_bytes
+    return peak
+
+
+def _moved(a: _Assigned, models: Mapping[str, ModelCost]) -> int:
+    """Bytes an assignment copies host->GPU: its loads and its streaming."""
+    return _loaded(a.steps, models) + _streamed(a.steps)
+
+
 def _choose_pins(first: _Assigned, sizes: _Sizes, costs: Mapping[str, NodeCost], order: list[str],
                  start: Residency, room: int, evicted: set[str]) -> frozenset[str]:
     """Pass 2: the models that get a pinned copy: start's, then among the candidates (`evicted`: models that get
@@ -675,9 +744,28 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         prov[n] = fit
     pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
     order, peak_out = _order(dag, nodes, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
-    order = finish_early(order, dag, prov, {k: m.nbytes for k, m in models.items()}, budget.gpu, sorted(start.gpu))
     everything = frozenset(models)
-    first = _assign(order, costs, sizes, budget, cost, start, prov, everything, repeat)
+    # results early where that moves no byte more than the grouped order, with or without them (module docstring,
+    # pass 1); pass 1's order stands in for the grouped one where grouping would hold more host RAM than there is
+    early = functools.partial(finish_early, dag=dag, prov=prov, weights=sizes.nbytes, gpu=budget.gpu,
+                              resident=sorted(start.gpu))
+    chosen = early(order)
+    first = _assign(chosen, costs, sizes, budget, cost, start, prov, everything, repeat)
+    if max(first.loads.values(), default=0) > 1 or _streamed(first.steps):  # else no order moves less
+        host_room = max(budget.host - pinned_bytes, peak_out)  # (pass 1 may have had to go over it)
+        grouped = _grouped(order, dag, costs, prov)
+        if _host_peak(grouped, dag, costs) > host_room:
+            grouped = order
+        tried = [chosen]
+        for cand in (early(grouped) if grouped != order else chosen, grouped):
+            held = _host_peak(cand, dag, costs)
+            if cand in tried or held > host_room:
+                continue
+            tried.append(cand)
+            other = _assign(cand, costs, sizes, budget, cost, start, prov, everything, repeat)
+            if _moved(other, models) < _moved(first, models):
+                first, chosen, peak_out = other, cand, held
+    order = chosen
     # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by
     # some other prompt when the used models cannot all stay on the GPU together
     evicted = {s.step.model for s in first.steps if isinstance(s.step, Unload)}

@@ -133,8 +133,10 @@ def test_errors_are_the_engines(pipe: Pipeline, tmp_path: Path) -> None:
 
 
 def test_plan_loads_no_weights(tmp_path: Path) -> None:
-    """A plan from the built-in klein-4B sizes: nothing on disk, nothing loaded, the allocator not capped."""
-    pipe = Pipeline(tmp_path / "no-models", vram="12GiB", host="64GiB")  # host RAM fixed: plans depend on it
+    """A plan from the built-in klein-4B sizes: nothing on disk, nothing loaded, the allocator not capped. (Host RAM
+    as on the GPU host: with less than the transformer's 7.2 GiB free here, it could not be pinned, and streaming it
+    would beat reading it from the file.)"""
+    pipe = Pipeline(tmp_path / "no-models", vram="12GiB", host="64GiB")
     plan = pipe.plan("text_to_image.json")
     big = pipe.plan("text_to_image.json", size="1536x1536")
     assert pipe._engine is None  # no running engine was made

@@ -34,7 +34,7 @@ from vramgraph.graph.planner import (
     plan,
 )
 from vramgraph.graph.timeline import timeline_data, timeline_svg
-from vramgraph.nodes.types import Variant
+from vramgraph.nodes.types import Blocks, Variant
 
 MiB = 2**20
 
@@ -311,6 +311,50 @@ def test_queue_of_eight_decodes_each_image_once_it_is_sampled_where_that_moves_n
     p = plan(dag, costs, MODELS, card(12))
     assert p.order == tuple(f"{x}{i}" for x in ("enc", "sample", "decode") for i in range(8))
     assert [s.step.model for s in p.steps if isinstance(s.step, Load)] == ["te", "dit", "vae"]
+
+
+def streamed_chains(n: int, slack: float) -> tuple[nx.DiGraph, dict[str, NodeCost], Budget, Blocks]:
+    """n chains enc_i -> sample_i -> decode_i (512²) whose sampler streams the transformer (it does not fit whole: 7.22
+    + 0.22 GiB): 25 blocks of 0.28 GiB, slower to copy than to compute. The budget is what the sampler takes with 19
+    of them resident (its fastest choice in any room this size: 6.32 GiB), plus `slack`."""
+    blocks = Blocks("dit", (gib(0.28),) * 25, (0.0016,) * 25, fixed=gib(0.22), activation=gib(0.22), passes=4)
+    stream = Variant("stream", (), blocks.min_gpu(), 4 * 0.039, streams=("dit",), blocks=blocks)
+    dag, costs = nx.DiGraph(), {}
+    for i in range(n):
+        costs[f"enc{i}"] = encode(f"enc{i}", cpu=False)
+        costs[f"sample{i}"] = NodeCost(f"sample{i}", "KSampler", (Variant("gpu", ("dit",), gib(0.22), 4 * 0.039),
+                                                                  stream), host_bytes=1 * MiB)
+        costs[f"decode{i}"] = decode(f"decode{i}", variants=(Variant("gpu", ("vae",), gib(0.6), 0.022),))
+        nx.add_path(dag, [f"enc{i}", f"sample{i}", f"decode{i}"])
+    return dag, costs, Budget(blocks.gpu_bytes(tuple(range(6))) + gib(slack), gib(64)), blocks
+
+
+@pytest.mark.parametrize(("slack", "early"), [(0.05, False), (0.2, True), (0.7, True)])
+def test_queue_that_streams_moves_what_the_grouped_order_moves(slack: float, early: bool):
+    """Four prompts whose sampler streams the transformer: the queue moves what the grouped order moves (the text
+    encoder and the VAE loaded once, every sampler its 19 resident blocks uploaded and the other 6 streamed per step),
+    and decodes each image right after its sample where the VAE costs the next sampler no block.
+    0.05 GiB spare: the VAE (0.09 GiB) would cost a block, and decoding early would unload and reload it once per image
+    (as the planner did before): the decodes wait until every image is sampled. 0.2 GiB: it sits beside the blocks,
+    each image is decoded once sampled. 0.7 GiB: the sampler's least need fits beside the text encoder, which the
+    order pass took for room to sample each image once encoded (the text encoder was loaded once per image): the
+    encodes still come first.
+
+        enc_i ──► sample_i (streams dit) ──► decode_i        i = 0..3
+    """
+    from vramgraph.graph import residency
+
+    dag, costs, budget, blocks = streamed_chains(4, slack)
+    p = plan(dag, costs, MODELS, budget, repeat=False)
+    assert [s.step.model for s in p.steps if isinstance(s.step, Load)] == ["te", "vae"]
+    assert {p.variant_of(f"sample{i}") for i in range(4)} == {"stream"}
+    bp = residency.choose(blocks, budget.gpu, p.cost.h2d_pinned)
+    assert len(bp.resident) == 19
+    assert p.bytes_moved == MODELS["te"].nbytes + MODELS["vae"].nbytes
+    assert p.streamed_bytes == 4 * (bp.resident_bytes + bp.total_streamed)
+    then = [x for i in range(4) for x in (f"sample{i}", f"decode{i}")] if early else \
+        [f"{x}{i}" for x in ("sample", "decode") for i in range(4)]
+    assert p.order == (*(f"enc{i}" for i in range(4)), *then)
 
 
 def test_finish_early_moves_only_nodes_whose_descendants_need_no_other_model():

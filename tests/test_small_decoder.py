@@ -170,7 +170,7 @@ def test_the_planner_sees_the_smaller_decode(tmp_path: Path) -> None:
     vae_node = next(k for k, n in wf.items() if n["class_type"] in ("VAELoader", "VGLoadVAE")
                     and any(str(v).endswith("flux2-vae.safetensors") for v in n["inputs"].values()))
     vae_input = next(k for k, v in wf[vae_node]["inputs"].items() if str(v).endswith(".safetensors"))
-    pipe = Pipeline(models=models, vram="80GiB", host="64GiB")  # not the free RAM of a busy machine
+    pipe = Pipeline(models=models, vram="80GiB", host="64GiB")  # (not this machine's free RAM: see test_cli)
     plans = {}
     for name in ("flux2-vae.safetensors", "full_encoder_small_decoder.safetensors"):
         plans[name] = pipe.plan(wf, vram="80GiB", size="2048x2048", set={f"{vae_node}.{vae_input}": name})

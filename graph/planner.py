@@ -42,8 +42,8 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import networkx as nx
@@ -53,7 +53,7 @@ from .early import finish_early
 from .residency import BlockPlan
 
 if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
-    from ..nodes.types import Variant
+    from ..nodes.types import Blocks, Variant
 
 GiB = 2**30
 DEFAULT_RESERVE = 256 * 2**20  # allocator rounding, cuBLAS/cuDNN workspaces, the RoPE tables
@@ -342,11 +342,14 @@ class Plan:
 
 
 class _Sizes:
-    """Byte sums of model sets, memoised per variant (the planner's inner loops ask often)."""
+    """Byte sums of model sets, memoised per variant, and the block choices of streamed variants, memoised per plan
+    (the planner's inner loops ask often)."""
 
     def __init__(self, models: Mapping[str, ModelCost]) -> None:
         self.models = models
         self._cache: dict[tuple[str, ...], int] = {}
+        self._unique: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._blocks: dict[tuple[int, int, float], BlockPlan | None] = {}
 
     def w(self, key: str) -> int:
         return self.models[key].nbytes
@@ -356,6 +359,21 @@ class _Sizes:
         if got is None:
             got = self._cache[keys] = sum(self.w(k) for k in dict.fromkeys(keys))
         return got
+
+    def unique(self, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """`keys` without repeats, in their order."""
+        got = self._unique.get(keys)
+        if got is None:
+            got = self._unique[keys] = tuple(dict.fromkeys(keys))
+        return got
+
+    def choose(self, blocks: Blocks, room: int, bandwidth: float) -> BlockPlan | None:
+        """residency.choose, looked up by the spec's identity: every spec lives as long as the plan's costs, and the
+        cache behind residency.choose hashes a whole spec at every call."""
+        key = (id(blocks), room, bandwidth)
+        if key not in self._blocks:
+            self._blocks[key] = residency.choose(blocks, room, bandwidth)
+        return self._blocks[key]
 
     def alone(self, v: Variant) -> int:
         """GPU bytes a variant needs with nothing else resident."""
@@ -385,9 +403,28 @@ def _infeasible(nc: NodeCost, sizes: _Sizes, budget: int) -> PlanError:
     return PlanError(nc.node, nc.class_type, needed, budget, msg, details, extra)
 
 
+def _acyclic(dag: nx.DiGraph) -> bool:
+    """Whether `dag` has no cycle: every node is reached when nodes are taken once their predecessors are (as
+    nx.is_directed_acyclic_graph, over the edges once: its per-node views cost as much as planning a small graph)."""
+    waiting = dict.fromkeys(dag, 0)
+    succ: dict[str, list[str]] = {n: [] for n in waiting}
+    for u, v in dag.edges:
+        succ[u].append(v)
+        waiting[v] += 1
+    ready = [n for n, k in waiting.items() if not k]
+    taken = 0
+    while ready:
+        taken += 1
+        for v in succ[ready.pop()]:
+            waiting[v] -= 1
+            if not waiting[v]:
+                ready.append(v)
+    return taken == len(waiting)
+
+
 def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
               start: Residency) -> list[str]:
-    if not nx.is_directed_acyclic_graph(dag):
+    if not _acyclic(dag):
         cycle = nx.find_cycle(dag)
         raise ValueError(f"the graph has a cycle through {[u for u, _ in cycle]}; break it to plan")
     nodes = list(dag.nodes)
@@ -413,8 +450,11 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
            prov: Mapping[str, Variant], start: Residency, host_limit: int) -> tuple[list[str], int]:
     """Pass 1: the run order (see the module docstring) and the peak of host bytes held by live outputs."""
     pos = {n: i for i, n in enumerate(nodes)}
-    preds = {n: tuple(dag.pred[n]) for n in nodes}
-    succs = {n: tuple(dag.succ[n]) for n in nodes}
+    preds: dict[str, list[str]] = {n: [] for n in nodes}
+    succs: dict[str, list[str]] = {n: [] for n in nodes}
+    for u, v in dag.edges:  # (one pass over the edges: networkx's per-node views cost more than the rest of the pass)
+        succs[u].append(v)
+        preds[v].append(u)
     indeg = {n: len(preds[n]) for n in nodes}
     left = {n: len(succs[n]) for n in nodes}  # consumers not yet run
     hb = {n: costs[n].host_bytes for n in nodes}
@@ -446,11 +486,20 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
     for n in nodes:
         if indeg[n] == 0:
             add(n)
+    res = set(resident)
+    held = sum(sizes.w(m) for m in resident)
+    ranks: dict[tuple, tuple[bool, bool]] = {}  # rank(k), while the set of resident models and that of the models
+    #                                             no run left needs stay as they are
     while groups:
-        res = set(resident)
-        held = sum(sizes.w(m) for m in resident)
-        ranked = sorted((*rank(k, res, held), h[0][0], k) for k, h in groups.items())
-        key = next((k for *_, k in ranked if live + k[2] <= host_limit), None)
+        best: tuple | None = None  # the least (rank, earliest position) among the groups that fit in host RAM
+        for k, h in groups.items():
+            if live + k[2] <= host_limit:
+                r = ranks.get(k)
+                if r is None:
+                    r = ranks[k] = rank(k, res, held)
+                if best is None or (*r, h[0][0]) < best[0]:
+                    best = ((*r, h[0][0]), k)
+        key = best[1] if best is not None else None
         if key is not None:
             pick = heapq.heappop(groups[key])[1]
         else:  # nothing fits in host RAM: the node that leaves the least held, earliest first
@@ -474,59 +523,138 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
         v = prov[pick]
         if not v.models and not v.activation:
             continue
+        before = res
         for m in dict.fromkeys(v.models):
             uses[m] -= 1
+            if not uses[m]:
+                ranks.clear()
             if m in resident:
                 resident.remove(m)
             resident.append(m)
-        while sum(sizes.w(m) for m in resident) + v.activation > gpu:
+        res = set(resident)
+        held = sum(sizes.w(m) for m in resident)
+        while held + v.activation > gpu:
             victim = next((m for m in resident if m not in v.models), None)
             if victim is None:
                 break
             resident.remove(victim)
+            res.discard(victim)
+            held -= sizes.w(victim)
+        if res != before:
+            ranks.clear()
     return order, peak
 
 
 @dataclass
 class _Assigned:
-    steps: list[PlannedStep]
+    rows: list[tuple]  # each step as (Run/Load/Unload, its fields, then PlannedStep's other fields, the note perhaps
+    #                    as _run_note's arguments): plan() makes steps only of the pass it returns
     chosen: dict[str, Variant]
     end: Residency
     loads: Counter[str]
+    unloaded: set[str]  # models an Unload step frees
+
+    def steps(self) -> tuple[PlannedStep, ...]:
+        return tuple(_made(PlannedStep, (_made(kind, args), gpu, res, secs,
+                                         note if isinstance(note, str) else _run_note(*note), streams, bp))
+                     for kind, args, gpu, res, secs, note, streams, bp in self.rows)
+
+
+_FIELDS = {c: tuple(f.name for f in fields(c)) for c in (PlannedStep, Load, Unload, Run)}
+
+
+def _made(cls: type, values: tuple) -> Any:
+    """`cls(*values)` for one of the frozen step classes, given every field, without its __init__, which sets each
+    field through object.__setattr__ (for the hundreds of steps of a queue's plan, that was a fifth of the planning
+    time). The object is the same: equal, with the same hash and repr (tests/test_fast_paths.py)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(zip(_FIELDS[cls], values, strict=True))
+    return obj
+
+
+def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
+              options: list[tuple[Variant, float | None]]) -> str:
+    """A Run's note: the variant's own, what it streams, and what it was chosen over when it is not the first."""
+    note = v.note
+    if bp is not None:
+        note = "; ".join(x for x in (note, bp.describe(label)) if x)
+    if v is not first:
+        alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
+                         for a, ta in options if a is not v)
+        note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
+    return note
+
+
+class _NextUse:
+    """Pass 3's look ahead for evicting model m at position i: the first node after i, in this run and then (with
+    `repeat`) in the next, whose variant uses m or cannot fit beside it, and its distance. The nodes after i have
+    their provisional variant (none is chosen yet), the ones before i their chosen one, which stays as it is; so a
+    table per model answers the first part and a mark per model the second, where a walk along the order would do it
+    for every eviction. Ask with positions that never go down, as pass 3 does."""
+
+    def __init__(self, order: list[str], prov: Mapping[str, Variant], sizes: _Sizes, gpu: int, repeat: bool) -> None:
+        self.order, self.prov, self.sizes, self.gpu, self.repeat = order, prov, sizes, gpu, repeat
+        self.ahead: dict[str, list[int]] = {}  # m -> per position, the first at or after it whose provisional variant
+        #                                        meets m (len(order): none)
+        self.behind: dict[str, list[Any]] = {}  # m -> [the first position whose chosen variant meets m, or None;
+        #                                          the positions looked at]
+
+    def meets(self, m: str, v: Variant) -> bool | None:
+        """True: v uses m; False: v and m cannot fit together; None: neither."""
+        if m in v.models:
+            return True
+        return False if self.sizes.weights(v.models) + self.sizes.w(m) + v.activation > self.gpu else None
+
+    def first(self, m: str, i: int, chosen: Mapping[str, Variant], cur: Variant) -> tuple[Variant, int] | None:
+        """(variant, distance) of the first node after position i that meets m, `cur` (position i in the next run)
+        last; None when none does."""
+        order, n = self.order, len(self.order)
+        ahead = self.ahead.get(m)
+        if ahead is None:
+            ahead = self.ahead[m] = [n] * (n + 1)
+            for j in range(n - 1, -1, -1):
+                ahead[j] = j if self.meets(m, self.prov[order[j]]) is not None else ahead[j + 1]
+        j = ahead[i + 1]
+        if j < n:
+            return self.prov[order[j]], j - i
+        if not self.repeat:
+            return None
+        seen = self.behind.setdefault(m, [None, 0])
+        if seen[0] is None:
+            seen[0] = next((k for k in range(seen[1], i) if self.meets(m, chosen[order[k]]) is not None), None)
+            seen[1] = i
+        if seen[0] is not None:
+            return chosen[order[seen[0]]], n - i + seen[0]
+        return (cur, n) if self.meets(m, cur) is not None else None
 
 
 def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budget: Budget, cm: CostModel,
             start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool) -> _Assigned:
     """Pass 3: residency and variants along a fixed order (see the module docstring)."""
     gpu = budget.gpu
-    n = len(order)
     resident: list[str] = sorted(start.gpu)
     pinned: set[str] = set(start.pinned)
     chosen: dict[str, Variant] = {}
-    steps: list[PlannedStep] = []
+    rows: list[tuple] = []
     loads: Counter[str] = Counter()
+    unloaded: set[str] = set()
 
-    def future(i: int, cur: Variant) -> Iterator[tuple[int, Variant]]:
-        """(distance, variant) of the nodes after position i: this run, then (repeat) the next run."""
-        for j in range(i + 1, n):
-            yield j - i, chosen.get(order[j]) or prov[order[j]]
-        if repeat:
-            for j in range(i):
-                yield n - i + j, chosen[order[j]]
-            yield n, cur
+    after = _NextUse(order, prov, sizes, gpu, repeat)
 
     def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
         """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
-        wm = sizes.w(m)
-        for d, v in future(i, cur):
-            if m in v.models:
-                return cm.load_seconds(wm, m in pinned), d  # m is resident: pinned by now if ever
-            if sizes.weights(v.models) + wm + v.activation > gpu:
-                return 0.0, _INF  # that node and m cannot fit together: m is forced out before its next use
-        return 0.0, _INF  # never used again
+        got = after.first(m, i, chosen, cur)
+        if got is not None and after.meets(m, got[0]):
+            return cm.load_seconds(sizes.w(m), m in pinned), got[1]  # m is resident: pinned by now if ever
+        return 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
 
-    def evictions(i: int, v: Variant) -> tuple[list[str], float]:
-        total = held + sum(sizes.w(m) for m in dict.fromkeys(v.models) if m not in resident) + v.activation
+    def missing_of(v: Variant) -> list[str]:
+        return [m for m in sizes.unique(v.models) if m not in resident]
+
+    def evictions(i: int, v: Variant, missing: list[str] | None = None) -> tuple[list[str], float]:
+        if missing is None:
+            missing = missing_of(v)
+        total = held + (sum(sizes.w(m) for m in missing) if missing else 0) + v.activation
         if total <= gpu:
             return [], 0.0
         keyed = sorted(((*evict_cost(m, i, v), m) for m in resident if m not in v.models),
@@ -562,42 +690,44 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 extra_s += more[k - 1][0]
             gone = out + [m for _, _, m in more[:k]]
             room = gpu - sum(sizes.w(m) for m in resident if m not in gone) - missing  # for the node's own bytes
-            bp = residency.choose(v.blocks, room, cm.h2d_pinned)
+            bp = sizes.choose(v.blocks, room, cm.h2d_pinned)
             if bp is not None and bp.seconds + reload_s + extra_s < best_t:
                 best_t, best_out, best_bp = bp.seconds + reload_s + extra_s, gone, bp
         assert best_bp is not None  # the variant's activation is its least need, which evictions made room for
         return best_t, best_out, best_bp
 
     held = sum(sizes.w(m) for m in resident)  # bytes of the resident weights
+    now = tuple(resident)
     for i, node in enumerate(order):
         nc = costs[node]
         if len(nc.variants) == 1 and not nc.variants[0].models and not nc.variants[0].streams \
                 and held + nc.variants[0].activation <= gpu:  # a host node, or one without weights: nothing moves
             v = chosen[node] = nc.variants[0]
-            steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), cm.run_seconds(v),
-                                     v.note))
+            rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
             continue
         best: tuple[float, Variant, list[str], BlockPlan | None] | None = None
         options: list[tuple[Variant, float | None]] = []
         for v in nc.variants:
-            if sizes.alone(v) > gpu or any(m in resident for m in v.streams):  # streaming a resident model would
-                options.append((v, None))                                       # hold it twice
+            if sizes.alone(v) > gpu or (v.streams and any(m in resident for m in v.streams)):  # streaming a resident
+                options.append((v, None))                                                # model would hold it twice
                 continue
             if v.blocks is not None and any(  # streaming is for a model that cannot stay: not when it can
                     u.blocks is None and set(v.streams) <= set(u.models) and sizes.alone(u) <= gpu
                     and evictions(i, u)[1] == 0 for u in nc.variants):
                 options.append((v, None))
                 continue
-            out, reload_s = evictions(i, v)
-            missing = [m for m in dict.fromkeys(v.models) if m not in resident]
+            missing = missing_of(v)
+            out, reload_s = evictions(i, v, missing)
             bp = None
             if v.blocks is not None:
                 t, out, bp = streamed(i, v, out, reload_s)
                 t += read_first(v)
             else:
                 t = cm.run_seconds(v) + reload_s
-                t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams)
-            t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
+                if v.streams:  # (an empty sum adds 0: skipping it leaves t as it is)
+                    t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams)
+            if missing:
+                t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
             options.append((v, t))
             if best is None or t < best[0]:
                 best = (t, v, out, bp)
@@ -608,9 +738,10 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         for m in out:
             resident.remove(m)
             held -= sizes.w(m)
-            to = "pinned" if m in pinned else "drop"
-            steps.append(PlannedStep(Unload(m, to), held, tuple(resident), 0.0,
-                                     f"makes room for {node} ({nc.class_type})"))
+            now = tuple(resident)
+            unloaded.add(m)
+            rows.append((Unload, (m, "pinned" if m in pinned else "drop"), held, now, 0.0,
+                         f"makes room for {node} ({nc.class_type})", (), None))
         for m in dict.fromkeys(v.models):
             if m in resident:
                 continue
@@ -621,24 +752,20 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 pinned.add(m)
             resident.append(m)
             held += sizes.w(m)
+            now = tuple(resident)
             loads[m] += 1
-            steps.append(PlannedStep(Load(m, src, pin), held, tuple(resident), secs,
-                                     f"for {node}" + (", pinned while loading" if pin else "")))
+            why = f"for {node}" + (", pinned while loading" if pin else "")
+            rows.append((Load, (m, src, pin), held, now, secs, why, (), None))
         for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
             if m in pins:
                 pinned.add(m)
-        note = v.note
-        if bp is not None:
-            note = "; ".join(x for x in (note, bp.describe(sizes.models[bp.model].name)) if x)
-        if v is not nc.variants[0]:
-            alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
-                             for a, ta in options if a is not v)
-            note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
+        note: str | tuple = v.note
+        if bp is not None or v is not nc.variants[0]:  # written out only for the steps of the plan returned
+            note = (v, nc.variants[0], bp, sizes.models[bp.model].name if bp is not None else "", t, options)
         own = bp.gpu_bytes if bp is not None else v.activation
-        steps.append(PlannedStep(Run(node, v.name), held + own, tuple(resident),
-                                 bp.seconds + read if bp is not None else cm.run_seconds(v), note, tuple(v.streams),
-                                 bp))
-    return _Assigned(steps, chosen, Residency(frozenset(resident), frozenset(pinned)), loads)
+        rows.append((Run, (node, v.name), held + own, now, bp.seconds + read if bp is not None else cm.run_seconds(v),
+                     note, tuple(v.streams), bp))
+    return _Assigned(rows, chosen, Residency(frozenset(resident), frozenset(pinned)), loads, unloaded)
 
 
 def _choose_pins(first: _Assigned, sizes: _Sizes, costs: Mapping[str, NodeCost], order: list[str],
@@ -680,7 +807,7 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     first = _assign(order, costs, sizes, budget, cost, start, prov, everything, repeat)
     # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by
     # some other prompt when the used models cannot all stay on the GPU together
-    evicted = {s.step.model for s in first.steps if isinstance(s.step, Unload)}
+    evicted = set(first.unloaded)
     evicted |= {m for v in first.chosen.values() for m in v.streams}
     used_models = {m for v in first.chosen.values() for m in v.models + v.streams}
     if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen.values()), default=0) \
@@ -689,9 +816,9 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     used = {m for n in order for v in costs[n].variants for m in v.models}
     if repeat and not used <= evicted:  # (the next run can only add candidates that are not in yet)
         nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat)
-        evicted |= {s.step.model for s in nxt.steps if isinstance(s.step, Unload)}
+        evicted |= nxt.unloaded
         evicted |= {m for v in nxt.chosen.values() for m in v.streams}
     pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
     done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)
-    return Plan(tuple(done.steps), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes},
+    return Plan(done.steps(), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes},
                 cost)

@@ -62,6 +62,7 @@ def finish_early(order: Sequence[str], dag: nx.DiGraph, prov: Mapping[str, Varia
         if n in finishing and not waiting[n]:
             heapq.heappush(ready[need[n]], pos[n])
     res: list[str] = list(resident)  # least recently used first
+    held = sum(weights[m] for m in res)
     done: set[str] = set()
     out: list[str] = []
     first = 0  # position of the first node left
@@ -105,18 +106,21 @@ def finish_early(order: Sequence[str], dag: nx.DiGraph, prov: Mapping[str, Varia
                 waiting[s] -= 1
                 if not waiting[s] and s in finishing and s not in done:
                     heapq.heappush(ready[need[s]], pos[s])
-        was = list(res)
+        changed = False
         for m in dict.fromkeys(v.models):
             if m in res:
                 res.remove(m)
+            else:
+                held += weights[m]
+                changed = True
             res.append(m)
-        held = sum(weights[m] for m in res)
         while held + v.activation > gpu:
             victim = next((m for m in res if m not in v.models), None)
             if victim is None:
                 break
             res.remove(victim)
             held -= weights[victim]
-        if len(res) != len(was) or set(res) != set(was):
+            changed = True
+        if changed:
             known.clear()
     return out

@@ -342,14 +342,15 @@ class Plan:
 
 
 class _Sizes:
-    """Byte sums of model sets, memoised per variant, and the block choices of streamed variants, memoised per plan
-    (the planner's inner loops ask often)."""
+    """Byte sums of model sets and variants, and the block choices of streamed variants, memoised for one plan (the
+    planner's inner loops ask often; variants and specs by identity: they live as long as the plan's costs)."""
 
     def __init__(self, models: Mapping[str, ModelCost]) -> None:
         self.models = models
         self._cache: dict[tuple[str, ...], int] = {}
         self._unique: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._blocks: dict[tuple[int, int, float], BlockPlan | None] = {}
+        self._alone: dict[int, int] = {}
 
     def w(self, key: str) -> int:
         return self.models[key].nbytes
@@ -368,8 +369,8 @@ class _Sizes:
         return got
 
     def choose(self, blocks: Blocks, room: int, bandwidth: float) -> BlockPlan | None:
-        """residency.choose, looked up by the spec's identity: every spec lives as long as the plan's costs, and the
-        cache behind residency.choose hashes a whole spec at every call."""
+        """residency.choose, looked up by the spec's identity (the cache behind residency.choose hashes the whole spec
+        at every call)."""
         key = (id(blocks), room, bandwidth)
         if key not in self._blocks:
             self._blocks[key] = residency.choose(blocks, room, bandwidth)
@@ -377,7 +378,10 @@ class _Sizes:
 
     def alone(self, v: Variant) -> int:
         """GPU bytes a variant needs with nothing else resident."""
-        return self.weights(v.models) + v.activation
+        got = self._alone.get(id(v))
+        if got is None:
+            got = self._alone[id(v)] = self.weights(v.models) + v.activation
+        return got
 
 
 def _infeasible(nc: NodeCost, sizes: _Sizes, budget: int) -> PlanError:
@@ -491,15 +495,15 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
     ranks: dict[tuple, tuple[bool, bool]] = {}  # rank(k), while the set of resident models and that of the models
     #                                             no run left needs stay as they are
     while groups:
-        best: tuple | None = None  # the least (rank, earliest position) among the groups that fit in host RAM
+        key, best, first = None, (True, True), 0  # the group of the least (rank, earliest position) among those
+        #                                           that fit in host RAM
         for k, h in groups.items():
             if live + k[2] <= host_limit:
                 r = ranks.get(k)
                 if r is None:
                     r = ranks[k] = rank(k, res, held)
-                if best is None or (*r, h[0][0]) < best[0]:
-                    best = ((*r, h[0][0]), k)
-        key = best[1] if best is not None else None
+                if key is None or r < best or (r == best and h[0][0] < first):
+                    key, best, first = k, r, h[0][0]
         if key is not None:
             pick = heapq.heappop(groups[key])[1]
         else:  # nothing fits in host RAM: the node that leaves the least held, earliest first
@@ -648,12 +652,9 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             return cm.load_seconds(sizes.w(m), m in pinned), got[1]  # m is resident: pinned by now if ever
         return 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
 
-    def missing_of(v: Variant) -> list[str]:
-        return [m for m in sizes.unique(v.models) if m not in resident]
-
     def evictions(i: int, v: Variant, missing: list[str] | None = None) -> tuple[list[str], float]:
         if missing is None:
-            missing = missing_of(v)
+            missing = [m for m in sizes.unique(v.models) if m not in resident]
         total = held + (sum(sizes.w(m) for m in missing) if missing else 0) + v.activation
         if total <= gpu:
             return [], 0.0
@@ -716,7 +717,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                     and evictions(i, u)[1] == 0 for u in nc.variants):
                 options.append((v, None))
                 continue
-            missing = missing_of(v)
+            missing = [m for m in sizes.unique(v.models) if m not in resident]
             out, reload_s = evictions(i, v, missing)
             bp = None
             if v.blocks is not None:
@@ -742,7 +743,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             unloaded.add(m)
             rows.append((Unload, (m, "pinned" if m in pinned else "drop"), held, now, 0.0,
                          f"makes room for {node} ({nc.class_type})", (), None))
-        for m in dict.fromkeys(v.models):
+        for m in sizes.unique(v.models):
             if m in resident:
                 continue
             src = "pinned" if m in pinned else "file"
@@ -796,10 +797,12 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     prov: dict[str, Variant] = {}
     for n in nodes:
         nc = costs[n]
-        fit = next((v for v in nc.variants if sizes.alone(v) <= budget.gpu), None)
-        if fit is None:
+        for v in nc.variants:
+            if sizes.alone(v) <= budget.gpu:
+                prov[n] = v
+                break
+        else:
             raise _infeasible(nc, sizes, budget.gpu)
-        prov[n] = fit
     pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
     order, peak_out = _order(dag, nodes, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
     order = finish_early(order, dag, prov, {k: m.nbytes for k, m in models.items()}, budget.gpu, sorted(start.gpu))

@@ -53,7 +53,7 @@ from .early import finish_early
 from .residency import BlockPlan
 
 if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
-    from ..nodes.types import Blocks, Variant
+    from ..nodes.types import Variant
 
 GiB = 2**30
 DEFAULT_RESERVE = 256 * 2**20  # allocator rounding, cuBLAS/cuDNN workspaces, the RoPE tables
@@ -368,12 +368,13 @@ class _Sizes:
             got = self._unique[keys] = tuple(dict.fromkeys(keys))
         return got
 
-    def choose(self, blocks: Blocks, room: int, bandwidth: float) -> BlockPlan | None:
-        """residency.choose, looked up by the spec's identity (the cache behind residency.choose hashes the whole spec
-        at every call)."""
-        key = (id(blocks), room, bandwidth)
+    def choose(self, v: Variant, room: int, bandwidth: float) -> BlockPlan | None:
+        """residency.choose for the blocks of v, looked up by their identity (the cache behind residency.choose
+        hashes the whole spec at every call)."""
+        assert v.blocks is not None
+        key = (id(v.blocks), room, bandwidth)
         if key not in self._blocks:
-            self._blocks[key] = residency.choose(blocks, room, bandwidth)
+            self._blocks[key] = residency.choose(v.blocks, room, bandwidth)
         return self._blocks[key]
 
     def alone(self, v: Variant) -> int:
@@ -691,7 +692,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 extra_s += more[k - 1][0]
             gone = out + [m for _, _, m in more[:k]]
             room = gpu - sum(sizes.w(m) for m in resident if m not in gone) - missing  # for the node's own bytes
-            bp = sizes.choose(v.blocks, room, cm.h2d_pinned)
+            bp = sizes.choose(v, room, cm.h2d_pinned)
             if bp is not None and bp.seconds + reload_s + extra_s < best_t:
                 best_t, best_out, best_bp = bp.seconds + reload_s + extra_s, gone, bp
         assert best_bp is not None  # the variant's activation is its least need, which evictions made room for

@@ -43,7 +43,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import networkx as nx
@@ -408,28 +408,9 @@ def _infeasible(nc: NodeCost, sizes: _Sizes, budget: int) -> PlanError:
     return PlanError(nc.node, nc.class_type, needed, budget, msg, details, extra)
 
 
-def _acyclic(dag: nx.DiGraph) -> bool:
-    """Whether `dag` has no cycle: every node is reached when nodes are taken once their predecessors are (as
-    nx.is_directed_acyclic_graph, over the edges once: its per-node views cost as much as planning a small graph)."""
-    waiting = dict.fromkeys(dag, 0)
-    succ: dict[str, list[str]] = {n: [] for n in waiting}
-    for u, v in dag.edges:
-        succ[u].append(v)
-        waiting[v] += 1
-    ready = [n for n, k in waiting.items() if not k]
-    taken = 0
-    while ready:
-        taken += 1
-        for v in succ[ready.pop()]:
-            waiting[v] -= 1
-            if not waiting[v]:
-                ready.append(v)
-    return taken == len(waiting)
-
-
 def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
               start: Residency) -> list[str]:
-    if not _acyclic(dag):
+    if not nx.is_directed_acyclic_graph(dag):
         cycle = nx.find_cycle(dag)
         raise ValueError(f"the graph has a cycle through {[u for u, _ in cycle]}; break it to plan")
     nodes = list(dag.nodes)
@@ -560,21 +541,8 @@ class _Assigned:
     unloaded: set[str]  # models an Unload step frees
 
     def steps(self) -> tuple[PlannedStep, ...]:
-        return tuple(_made(PlannedStep, (_made(kind, args), gpu, res, secs,
-                                         note if isinstance(note, str) else _run_note(*note), streams, bp))
-                     for kind, args, gpu, res, secs, note, streams, bp in self.rows)
-
-
-_FIELDS = {c: tuple(f.name for f in fields(c)) for c in (PlannedStep, Load, Unload, Run)}
-
-
-def _made(cls: type, values: tuple) -> Any:
-    """`cls(*values)` for one of the frozen step classes, given every field, without its __init__, which sets each
-    field through object.__setattr__ (for the hundreds of steps of a queue's plan, that was a fifth of the planning
-    time). The object is the same: equal, with the same hash and repr (tests/test_fast_paths.py)."""
-    obj = object.__new__(cls)
-    obj.__dict__.update(zip(_FIELDS[cls], values, strict=True))
-    return obj
+        return tuple(PlannedStep(kind(*args), gpu, res, secs, note if isinstance(note, str) else _run_note(*note),
+                                 streams, bp) for kind, args, gpu, res, secs, note, streams, bp in self.rows)
 
 
 def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,

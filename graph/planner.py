@@ -350,6 +350,8 @@ class _Sizes:
         self._cache: dict[tuple[str, ...], int] = {}
         self._unique: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._blocks: dict[tuple[int, int, float], BlockPlan | None] = {}
+        self._specs: dict[Any, Any] = {}  # Blocks -> the first equal one seen
+        self._spec: dict[int, Any] = {}  # id of a Blocks -> the first equal one seen
         self._alone: dict[int, int] = {}
 
     def w(self, key: str) -> int:
@@ -369,12 +371,15 @@ class _Sizes:
         return got
 
     def choose(self, v: Variant, room: int, bandwidth: float) -> BlockPlan | None:
-        """residency.choose for the blocks of v, looked up by their identity (the cache behind residency.choose
-        hashes the whole spec at every call)."""
+        """residency.choose for the blocks of v, once per distinct spec and room: the nodes of a queue have equal
+        specs in distinct objects, and the cache behind residency.choose hashes and compares a whole spec per call."""
         assert v.blocks is not None
-        key = (id(v.blocks), room, bandwidth)
+        spec = self._spec.get(id(v.blocks))
+        if spec is None:
+            spec = self._spec[id(v.blocks)] = self._specs.setdefault(v.blocks, v.blocks)
+        key = (id(spec), room, bandwidth)
         if key not in self._blocks:
-            self._blocks[key] = residency.choose(v.blocks, room, bandwidth)
+            self._blocks[key] = residency.choose(spec, room, bandwidth)
         return self._blocks[key]
 
     def alone(self, v: Variant) -> int:

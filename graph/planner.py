@@ -654,7 +654,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         """A block-streaming variant: the resident blocks that fit beside the models that stay, and whether evicting
         more models (cheapest first) buys a faster node than their reloads cost."""
         assert v.blocks is not None
-        missing = sum(sizes.w(m) for m in dict.fromkeys(v.models) if m not in resident)
+        missing = sum(sizes.w(m) for m in sizes.unique(v.models) if m not in resident) if v.models else 0
         stay = [m for m in resident if m not in out]
         more = sorted(((*evict_cost(m, i, v), m) for m in stay if m not in v.models),
                       key=lambda t: (t[0], -t[1], -sizes.w(t[2])))
@@ -687,7 +687,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 options.append((v, None))                                                # model would hold it twice
                 continue
             if v.blocks is not None and any(  # streaming is for a model that cannot stay: not when it can
-                    u.blocks is None and set(v.streams) <= set(u.models) and sizes.alone(u) <= gpu
+                    u.blocks is None and sizes.alone(u) <= gpu and set(v.streams) <= set(u.models)
                     and evictions(i, u)[1] == 0 for u in nc.variants):
                 options.append((v, None))
                 continue

@@ -503,9 +503,12 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
         if not groups[key]:
             del groups[key]
         peak = max(peak, live + hb[pick])
-        live = live + hb[pick] - freed(pick)
+        gone = 0 if left[pick] else hb[pick]  # freed(pick), as the consumers are counted down
         for p in preds[pick]:
+            if left[p] == 1:
+                gone += hb[p]
             left[p] -= 1
+        live = live + hb[pick] - gone
         order.append(pick)
         for n in succs[pick]:
             indeg[n] -= 1
@@ -514,16 +517,17 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
         v = prov[pick]
         if not v.models and not v.activation:
             continue
-        before = res
         for m in dict.fromkeys(v.models):
             uses[m] -= 1
             if not uses[m]:
                 ranks.clear()
-            if m in resident:
+            if m in res:
                 resident.remove(m)
+            else:
+                res.add(m)
+                held += sizes.w(m)
+                ranks.clear()
             resident.append(m)
-        res = set(resident)
-        held = sum(sizes.w(m) for m in resident)
         while held + v.activation > gpu:
             victim = next((m for m in resident if m not in v.models), None)
             if victim is None:
@@ -531,7 +535,6 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
             resident.remove(victim)
             res.discard(victim)
             held -= sizes.w(victim)
-        if res != before:
             ranks.clear()
     return order, peak
 

@@ -57,7 +57,8 @@ def finish_early(order: Sequence[str], dag: nx.DiGraph, prov: Mapping[str, Varia
         c = left.setdefault(need[n], {})
         c[prov[n].activation] = c.get(prov[n].activation, 0) + 1
     top = {k: max(c) for k, c in left.items()}  # the largest activation left per set (absent: none left)
-    ready: dict[frozenset[str], list[int]] = {k: [] for k in left}  # per set: positions of ready finishing nodes
+    ready: dict[frozenset[str], list[int]] = {need[n]: [] for n in finishing}  # per set: positions of ready
+    #                                                                          finishing nodes
     for n in order:
         if n in finishing and not waiting[n]:
             heapq.heappush(ready[need[n]], pos[n])

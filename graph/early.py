@@ -19,6 +19,7 @@ order grouped stage by stage (graph/planner.py `plan`).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,44 +28,105 @@ import networkx as nx
 if TYPE_CHECKING:
     from ..nodes.types import Variant
 
+_NONE: frozenset[str] = frozenset()
+
 
 def finish_early(order: Sequence[str], dag: nx.DiGraph, prov: Mapping[str, Variant], weights: Mapping[str, int],
                  gpu: int, resident: Sequence[str] = ()) -> list[str]:
-    """`order` with each finishing node moved up to the first point where it is ready and free (module docstring)."""
-    need = {n: set(prov[n].models) for n in order}
-    after: dict[str, set[str]] = {}  # the models the node's descendants need
-    for n in reversed(list(nx.topological_sort(dag))):
-        after[n] = set().union(*(need.get(c, set()) | after[c] for c in dag.succ[n]))
-    pending = [n for n in order if after[n] <= need[n]]  # the finishing nodes not yet placed, in order
-    if not pending:
+    """`order` with each finishing node moved up to the first point where it is ready and free (module docstring).
+
+    Each step picks the first node of the order left that is finishing, ready and free, else the first one left.
+    Whether a node is free depends only on its set of models, so nodes are kept by that set: for each set, the ready
+    finishing nodes (earliest first) and the activations of the nodes left, whose largest is what has to fit."""
+    need = {n: frozenset(prov[n].models) for n in order}
+    pos = {n: i for i, n in enumerate(order)}
+    succ: dict[str, list[str]] = {n: [] for n in dag}
+    waiting = dict.fromkeys(order, 0)  # predecessors not yet run
+    topo = len(pos) == len(dag) and all(n in pos for n in dag)  # is `order` a topological order of the graph?
+    for u, v in dag.edges:
+        succ[u].append(v)
+        if v in waiting:
+            waiting[v] += 1
+        topo = topo and pos[u] < pos[v]
+    below: dict[str, frozenset[str]] = {}  # the models the descendants of each node need
+    for n in reversed(order if topo else list(nx.topological_sort(dag))):
+        got: frozenset[str] = frozenset()
+        for s in succ[n]:
+            got = got | need.get(s, _NONE) | below[s]
+        below[n] = got
+    finishing = {n for n in order if below[n] <= need[n]}
+    if not finishing:
         return list(order)
+    left: dict[frozenset[str], dict[int, int]] = {}  # per set of models: activation -> nodes left with it
+    for n in order:
+        c = left.setdefault(need[n], {})
+        c[prov[n].activation] = c.get(prov[n].activation, 0) + 1
+    top = {k: max(c) for k, c in left.items()}  # the largest activation left per set (absent: none left)
+    ready: dict[frozenset[str], list[int]] = {need[n]: [] for n in finishing}  # per set: positions of ready
+    #                                                                          finishing nodes
+    for n in order:
+        if n in finishing and not waiting[n]:
+            heapq.heappush(ready[need[n]], pos[n])
     res: list[str] = list(resident)  # least recently used first
-    left = list(order)
-    waits = {n: dag.in_degree(n) for n in pending}  # inputs not yet computed
+    held = sum(weights[m] for m in res)
+    done: set[str] = set()
     out: list[str] = []
+    first = 0  # position of the first node left
+    known: dict[frozenset[str], bool] = {}  # free(set), while `res` and `top` stay as they are
 
-    def free(n: str) -> bool:
-        joined = set(res) | need[n]
-        held = sum(weights[m] for m in joined)
-        return all(held + prov[m].activation <= gpu for m in left if need[m] <= joined)
+    def free(key: frozenset[str]) -> bool:
+        got = known.get(key)
+        if got is None:
+            joined = key.union(res)
+            held = sum(weights[m] for m in joined)
+            got = known[key] = all(held + a <= gpu for k, a in top.items() if k <= joined)
+        return got
 
-    while left:
-        pick = next((n for n in pending if not waits[n] and free(n)), left[0])
-        left.remove(pick)
-        if pick in waits:
-            pending.remove(pick)
-        for c in dag.succ[pick]:
-            if c in waits:
-                waits[c] -= 1
+    while len(out) < len(order):
+        pick = None
+        for key, heap in ready.items():
+            while heap and order[heap[0]] in done:
+                heapq.heappop(heap)
+            if heap and (pick is None or heap[0] < pos[pick]) and free(key):
+                pick = order[heap[0]]
+        if pick is None:
+            while order[first] in done:
+                first += 1
+            pick = order[first]
+        done.add(pick)
         out.append(pick)
         v = prov[pick]
+        key, a = need[pick], v.activation
+        c = left[key]
+        c[a] -= 1
+        if not c[a]:
+            del c[a]
+            if top[key] == a:
+                if c:
+                    top[key] = max(c)
+                else:
+                    del top[key]
+                known.clear()
+        for s in succ[pick]:
+            if s in waiting:
+                waiting[s] -= 1
+                if not waiting[s] and s in finishing and s not in done:
+                    heapq.heappush(ready[need[s]], pos[s])
+        changed = False
         for m in dict.fromkeys(v.models):
             if m in res:
                 res.remove(m)
+            else:
+                held += weights[m]
+                changed = True
             res.append(m)
-        while sum(weights[m] for m in res) + v.activation > gpu:
+        while held + v.activation > gpu:
             victim = next((m for m in res if m not in v.models), None)
             if victim is None:
                 break
             res.remove(victim)
+            held -= weights[victim]
+            changed = True
+        if changed:
+            known.clear()
     return out

@@ -48,7 +48,7 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -358,11 +358,17 @@ class Plan:
 
 
 class _Sizes:
-    """Byte sums of model sets, memoised per variant (the planner's inner loops ask often)."""
+    """Byte sums of model sets and variants, and the block choices of streamed variants, memoised for one plan (the
+    planner's inner loops ask often; variants and specs by identity: they live as long as the plan's costs)."""
 
     def __init__(self, models: Mapping[str, ModelCost]) -> None:
         self.models = models
         self._cache: dict[tuple[str, ...], int] = {}
+        self._unique: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self._blocks: dict[tuple[int, int, float], BlockPlan | None] = {}
+        self._specs: dict[Any, Any] = {}  # Blocks -> the first equal one seen
+        self._spec: dict[int, Any] = {}  # id of a Blocks -> the first equal one seen
+        self._alone: dict[int, int] = {}
 
     def w(self, key: str) -> int:
         return self.models[key].nbytes
@@ -377,9 +383,31 @@ class _Sizes:
             got = self._cache[keys] = sum(self.w(k) for k in dict.fromkeys(keys))
         return got
 
+    def unique(self, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """`keys` without repeats, in their order."""
+        got = self._unique.get(keys)
+        if got is None:
+            got = self._unique[keys] = tuple(dict.fromkeys(keys))
+        return got
+
+    def choose(self, v: Variant, room: int, bandwidth: float) -> BlockPlan | None:
+        """residency.choose for the blocks of v, once per distinct spec and room: the nodes of a queue have equal
+        specs in distinct objects, and the cache behind residency.choose hashes and compares a whole spec per call."""
+        assert v.blocks is not None
+        spec = self._spec.get(id(v.blocks))
+        if spec is None:
+            spec = self._spec[id(v.blocks)] = self._specs.setdefault(v.blocks, v.blocks)
+        key = (id(spec), room, bandwidth)
+        if key not in self._blocks:
+            self._blocks[key] = residency.choose(spec, room, bandwidth)
+        return self._blocks[key]
+
     def alone(self, v: Variant) -> int:
         """GPU bytes a variant needs with nothing else resident."""
-        return self.weights(v.models) + v.activation
+        got = self._alone.get(id(v))
+        if got is None:
+            got = self._alone[id(v)] = self.weights(v.models) + v.activation
+        return got
 
 
 def _infeasible(nc: NodeCost, sizes: _Sizes, budget: int) -> PlanError:
@@ -433,8 +461,11 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
            prov: Mapping[str, Variant], start: Residency, host_limit: int) -> tuple[list[str], int]:
     """Pass 1: the run order (see the module docstring) and the peak of host bytes held by live outputs."""
     pos = {n: i for i, n in enumerate(nodes)}
-    preds = {n: tuple(dag.pred[n]) for n in nodes}
-    succs = {n: tuple(dag.succ[n]) for n in nodes}
+    preds: dict[str, list[str]] = {n: [] for n in nodes}
+    succs: dict[str, list[str]] = {n: [] for n in nodes}
+    for u, v in dag.edges:  # (one pass over the edges: networkx's per-node views cost more than the rest of the pass)
+        succs[u].append(v)
+        preds[v].append(u)
     indeg = {n: len(preds[n]) for n in nodes}
     left = {n: len(succs[n]) for n in nodes}  # consumers not yet run
     hb = {n: costs[n].host_bytes for n in nodes}
@@ -466,11 +497,20 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
     for n in nodes:
         if indeg[n] == 0:
             add(n)
+    res = set(resident)
+    held = sum(sizes.w(m) for m in resident)
+    ranks: dict[tuple, tuple[bool, bool]] = {}  # rank(k), while the set of resident models and that of the models
+    #                                             no run left needs stay as they are
     while groups:
-        res = set(resident)
-        held = sum(sizes.w(m) for m in resident)
-        ranked = sorted((*rank(k, res, held), h[0][0], k) for k, h in groups.items())
-        key = next((k for *_, k in ranked if live + k[2] <= host_limit), None)
+        key, best, first = None, (True, True), 0  # the group of the least (rank, earliest position) among those
+        #                                           that fit in host RAM
+        for k, h in groups.items():
+            if live + k[2] <= host_limit:
+                r = ranks.get(k)
+                if r is None:
+                    r = ranks[k] = rank(k, res, held)
+                if key is None or r < best or (r == best and h[0][0] < first):
+                    key, best, first = k, r, h[0][0]
         if key is not None:
             pick = heapq.heappop(groups[key])[1]
         else:  # nothing fits in host RAM: the node that leaves the least held, earliest first
@@ -483,9 +523,12 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
         if not groups[key]:
             del groups[key]
         peak = max(peak, live + hb[pick])
-        live = live + hb[pick] - freed(pick)
+        gone = 0 if left[pick] else hb[pick]  # freed(pick), as the consumers are counted down
         for p in preds[pick]:
+            if left[p] == 1:
+                gone += hb[p]
             left[p] -= 1
+        live = live + hb[pick] - gone
         order.append(pick)
         for n in succs[pick]:
             indeg[n] -= 1
@@ -496,57 +539,120 @@ def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
             continue
         for m in dict.fromkeys(v.models):
             uses[m] -= 1
-            if m in resident:
+            if not uses[m]:
+                ranks.clear()
+            if m in res:
                 resident.remove(m)
+            else:
+                res.add(m)
+                held += sizes.w(m)
+                ranks.clear()
             resident.append(m)
-        while sum(sizes.w(m) for m in resident) + v.activation > gpu:
+        while held + v.activation > gpu:
             victim = next((m for m in resident if m not in v.models), None)
             if victim is None:
                 break
             resident.remove(victim)
+            res.discard(victim)
+            held -= sizes.w(victim)
+            ranks.clear()
     return order, peak
 
 
 @dataclass
 class _Assigned:
-    steps: list[PlannedStep]
+    rows: list[tuple]  # each step as (Run/Load/Unload, its fields, then PlannedStep's other fields, the note perhaps
+    #                    as _run_note's arguments): plan() makes steps only of the pass it returns
     chosen: dict[str, Variant]
     end: Residency
     loads: Counter[str]
+    unloaded: set[str]  # models an Unload step frees
+
+    def steps(self) -> tuple[PlannedStep, ...]:
+        return tuple(PlannedStep(kind(*args), gpu, res, secs, note if isinstance(note, str) else _run_note(*note),
+                                 streams, bp) for kind, args, gpu, res, secs, note, streams, bp in self.rows)
+
+
+def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
+              options: list[tuple[Variant, float | None]]) -> str:
+    """A Run's note: the variant's own, what it streams, and what it was chosen over when it is not the first."""
+    note = v.note
+    if bp is not None:
+        note = "; ".join(x for x in (note, bp.describe(label)) if x)
+    if v is not first:
+        alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
+                         for a, ta in options if a is not v)
+        note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
+    return note
+
+
+class _NextUse:
+    """Pass 3's look ahead for evicting model m at position i: the first node after i, in this run and then (with
+    `repeat`) in the next, whose variant uses m or cannot fit beside it, and its distance. The nodes after i have
+    their provisional variant (none is chosen yet), the ones before i their chosen one, which stays as it is; so a
+    table per model answers the first part and a mark per model the second, where a walk along the order would do it
+    for every eviction. Ask with positions that never go down, as pass 3 does."""
+
+    def __init__(self, order: list[str], prov: Mapping[str, Variant], sizes: _Sizes, gpu: int, repeat: bool) -> None:
+        self.order, self.prov, self.sizes, self.gpu, self.repeat = order, prov, sizes, gpu, repeat
+        self.ahead: dict[str, list[int]] = {}  # m -> per position, the first at or after it whose provisional variant
+        #                                        meets m (len(order): none)
+        self.behind: dict[str, list[Any]] = {}  # m -> [the first position whose chosen variant meets m, or None;
+        #                                          the positions looked at]
+
+    def meets(self, m: str, v: Variant) -> bool | None:
+        """True: v uses m; False: v and m cannot fit together; None: neither."""
+        if m in v.models:
+            return True
+        return False if self.sizes.weights(v.models) + self.sizes.w(m) + v.activation > self.gpu else None
+
+    def first(self, m: str, i: int, chosen: Mapping[str, Variant], cur: Variant) -> tuple[Variant, int] | None:
+        """(variant, distance) of the first node after position i that meets m, `cur` (position i in the next run)
+        last; None when none does."""
+        order, n = self.order, len(self.order)
+        ahead = self.ahead.get(m)
+        if ahead is None:
+            ahead = self.ahead[m] = [n] * (n + 1)
+            for j in range(n - 1, -1, -1):
+                ahead[j] = j if self.meets(m, self.prov[order[j]]) is not None else ahead[j + 1]
+        j = ahead[i + 1]
+        if j < n:
+            return self.prov[order[j]], j - i
+        if not self.repeat:
+            return None
+        seen = self.behind.setdefault(m, [None, 0])
+        if seen[0] is None:
+            seen[0] = next((k for k in range(seen[1], i) if self.meets(m, chosen[order[k]]) is not None), None)
+            seen[1] = i
+        if seen[0] is not None:
+            return chosen[order[seen[0]]], n - i + seen[0]
+        return (cur, n) if self.meets(m, cur) is not None else None
 
 
 def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budget: Budget, cm: CostModel,
             start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool) -> _Assigned:
     """Pass 3: residency and variants along a fixed order (see the module docstring)."""
     gpu = budget.gpu
-    n = len(order)
     resident: list[str] = sorted(start.gpu)
     pinned: set[str] = set(start.pinned)
     chosen: dict[str, Variant] = {}
-    steps: list[PlannedStep] = []
+    rows: list[tuple] = []
     loads: Counter[str] = Counter()
+    unloaded: set[str] = set()
 
-    def future(i: int, cur: Variant) -> Iterator[tuple[int, Variant]]:
-        """(distance, variant) of the nodes after position i: this run, then (repeat) the next run."""
-        for j in range(i + 1, n):
-            yield j - i, chosen.get(order[j]) or prov[order[j]]
-        if repeat:
-            for j in range(i):
-                yield n - i + j, chosen[order[j]]
-            yield n, cur
+    after = _NextUse(order, prov, sizes, gpu, repeat)
 
     def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
         """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
-        wm = sizes.w(m)
-        for d, v in future(i, cur):
-            if m in v.models:
-                return cm.load_seconds(wm, m in pinned), d  # m is resident: pinned by now if ever
-            if sizes.weights(v.models) + wm + v.activation > gpu:
-                return 0.0, _INF  # that node and m cannot fit together: m is forced out before its next use
-        return 0.0, _INF  # never used again
+        got = after.first(m, i, chosen, cur)
+        if got is not None and after.meets(m, got[0]):
+            return cm.load_seconds(sizes.w(m), m in pinned), got[1]  # m is resident: pinned by now if ever
+        return 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
 
-    def evictions(i: int, v: Variant) -> tuple[list[str], float]:
-        total = held + sum(sizes.w(m) for m in dict.fromkeys(v.models) if m not in resident) + v.activation
+    def evictions(i: int, v: Variant, missing: list[str] | None = None) -> tuple[list[str], float]:
+        if missing is None:
+            missing = [m for m in sizes.unique(v.models) if m not in resident]
+        total = held + (sum(sizes.w(m) for m in missing) if missing else 0) + v.activation
         if total <= gpu:
             return [], 0.0
         keyed = sorted(((*evict_cost(m, i, v), m) for m in resident if m not in v.models),
@@ -571,7 +677,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         """A block-streaming variant: the resident blocks that fit beside the models that stay, and whether evicting
         more models (cheapest first) buys a faster node than their reloads cost."""
         assert v.blocks is not None
-        missing = sum(sizes.w(m) for m in dict.fromkeys(v.models) if m not in resident)
+        missing = sum(sizes.w(m) for m in sizes.unique(v.models) if m not in resident) if v.models else 0
         stay = [m for m in resident if m not in out]
         more = sorted(((*evict_cost(m, i, v), m) for m in stay if m not in v.models),
                       key=lambda t: (t[0], -t[1], -sizes.w(t[2])))
@@ -582,42 +688,44 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 extra_s += more[k - 1][0]
             gone = out + [m for _, _, m in more[:k]]
             room = gpu - sum(sizes.w(m) for m in resident if m not in gone) - missing  # for the node's own bytes
-            bp = residency.choose(v.blocks, room, cm.h2d_pinned)
+            bp = sizes.choose(v, room, cm.h2d_pinned)
             if bp is not None and bp.seconds + reload_s + extra_s < best_t:
                 best_t, best_out, best_bp = bp.seconds + reload_s + extra_s, gone, bp
         assert best_bp is not None  # the variant's activation is its least need, which evictions made room for
         return best_t, best_out, best_bp
 
     held = sum(sizes.w(m) for m in resident)  # bytes of the resident weights
+    now = tuple(resident)
     for i, node in enumerate(order):
         nc = costs[node]
         if len(nc.variants) == 1 and not nc.variants[0].models and not nc.variants[0].streams \
                 and held + nc.variants[0].activation <= gpu:  # a host node, or one without weights: nothing moves
             v = chosen[node] = nc.variants[0]
-            steps.append(PlannedStep(Run(node, v.name), held + v.activation, tuple(resident), cm.run_seconds(v),
-                                     v.note))
+            rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
             continue
         best: tuple[float, Variant, list[str], BlockPlan | None] | None = None
         options: list[tuple[Variant, float | None]] = []
         for v in nc.variants:
-            if sizes.alone(v) > gpu or any(m in resident for m in v.streams):  # streaming a resident model would
-                options.append((v, None))                                       # hold it twice
+            if sizes.alone(v) > gpu or (v.streams and any(m in resident for m in v.streams)):  # streaming a resident
+                options.append((v, None))                                                # model would hold it twice
                 continue
             if v.blocks is not None and any(  # streaming is for a model that cannot stay: not when it can
-                    u.blocks is None and set(v.streams) <= set(u.models) and sizes.alone(u) <= gpu
+                    u.blocks is None and sizes.alone(u) <= gpu and set(v.streams) <= set(u.models)
                     and evictions(i, u)[1] == 0 for u in nc.variants):
                 options.append((v, None))
                 continue
-            out, reload_s = evictions(i, v)
-            missing = [m for m in dict.fromkeys(v.models) if m not in resident]
+            missing = [m for m in sizes.unique(v.models) if m not in resident]
+            out, reload_s = evictions(i, v, missing)
             bp = None
             if v.blocks is not None:
                 t, out, bp = streamed(i, v, out, reload_s)
                 t += read_first(v)
             else:
                 t = cm.run_seconds(v) + reload_s
-                t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams)
-            t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
+                if v.streams:  # (an empty sum adds 0: skipping it leaves t as it is)
+                    t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams)
+            if missing:
+                t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
             options.append((v, t))
             if best is None or t < best[0]:
                 best = (t, v, out, bp)
@@ -628,10 +736,11 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         for m in out:
             resident.remove(m)
             held -= sizes.w(m)
-            to = "pinned" if m in pinned else "drop"
-            steps.append(PlannedStep(Unload(m, to), held, tuple(resident), 0.0,
-                                     f"makes room for {node} ({nc.class_type})"))
-        for m in dict.fromkeys(v.models):
+            now = tuple(resident)
+            unloaded.add(m)
+            rows.append((Unload, (m, "pinned" if m in pinned else "drop"), held, now, 0.0,
+                         f"makes room for {node} ({nc.class_type})", (), None))
+        for m in sizes.unique(v.models):
             if m in resident:
                 continue
             src = "pinned" if m in pinned else "file"
@@ -641,24 +750,20 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 pinned.add(m)
             resident.append(m)
             held += sizes.w(m)
+            now = tuple(resident)
             loads[m] += 1
-            steps.append(PlannedStep(Load(m, src, pin), held, tuple(resident), secs,
-                                     f"for {node}" + (", pinned while loading" if pin else "")))
+            why = f"for {node}" + (", pinned while loading" if pin else "")
+            rows.append((Load, (m, src, pin), held, now, secs, why, (), None))
         for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
             if m in pins:
                 pinned.add(m)
-        note = v.note
-        if bp is not None:
-            note = "; ".join(x for x in (note, bp.describe(sizes.models[bp.model].name)) if x)
-        if v is not nc.variants[0]:
-            alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
-                             for a, ta in options if a is not v)
-            note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
+        note: str | tuple = v.note
+        if bp is not None or v is not nc.variants[0]:  # written out only for the steps of the plan returned
+            note = (v, nc.variants[0], bp, sizes.models[bp.model].name if bp is not None else "", t, options)
         own = bp.gpu_bytes if bp is not None else v.activation
-        steps.append(PlannedStep(Run(node, v.name), held + own, tuple(resident),
-                                 bp.seconds + read if bp is not None else cm.run_seconds(v), note, tuple(v.streams),
-                                 bp))
-    return _Assigned(steps, chosen, Residency(frozenset(resident), frozenset(pinned)), loads)
+        rows.append((Run, (node, v.name), held + own, now, bp.seconds + read if bp is not None else cm.run_seconds(v),
+                     note, tuple(v.streams), bp))
+    return _Assigned(rows, chosen, Residency(frozenset(resident), frozenset(pinned)), loads, unloaded)
 
 
 def _grouped(order: list[str], dag: nx.DiGraph, costs: Mapping[str, NodeCost], prov: Mapping[str, Variant]
@@ -706,8 +811,9 @@ def _host_peak(order: list[str], dag: nx.DiGraph, costs: Mapping[str, NodeCost])
 
 
 def _moved(a: _Assigned, models: Mapping[str, ModelCost]) -> int:
-    """Bytes an assignment copies host->GPU: its loads and its streaming."""
-    return _loaded(a.steps, models) + _streamed(a.steps)
+    """Bytes an assignment copies host->GPU: its loads and its streaming (read from its rows: no steps are made)."""
+    return (sum(models[args[0]].nbytes for kind, args, *_ in a.rows if kind is Load)
+            + sum(bp.total_streamed + bp.resident_bytes for *_, bp in a.rows if bp is not None))
 
 
 def _choose_pins(first: _Assigned, sizes: _Sizes, costs: Mapping[str, NodeCost], order: list[str],
@@ -738,10 +844,12 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     prov: dict[str, Variant] = {}
     for n in nodes:
         nc = costs[n]
-        fit = next((v for v in nc.variants if sizes.alone(v) <= budget.gpu), None)
-        if fit is None:
+        for v in nc.variants:
+            if sizes.alone(v) <= budget.gpu:
+                prov[n] = v
+                break
+        else:
             raise _infeasible(nc, sizes, budget.gpu)
-        prov[n] = fit
     pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
     order, peak_out = _order(dag, nodes, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
     everything = frozenset(models)
@@ -751,7 +859,8 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
                               resident=sorted(start.gpu))
     chosen = early(order)
     first = _assign(chosen, costs, sizes, budget, cost, start, prov, everything, repeat)
-    if max(first.loads.values(), default=0) > 1 or _streamed(first.steps):  # else no order moves less
+    streams = any(r[-1] is not None for r in first.rows)  # a row's last field: its block plan
+    if max(first.loads.values(), default=0) > 1 or streams:  # else no order moves less
         host_room = max(budget.host - pinned_bytes, peak_out)  # (pass 1 may have had to go over it)
         grouped = _grouped(order, dag, costs, prov)
         if _host_peak(grouped, dag, costs) > host_room:
@@ -768,7 +877,7 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     order = chosen
     # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by
     # some other prompt when the used models cannot all stay on the GPU together
-    evicted = {s.step.model for s in first.steps if isinstance(s.step, Unload)}
+    evicted = set(first.unloaded)
     evicted |= {m for v in first.chosen.values() for m in v.streams}
     used_models = {m for v in first.chosen.values() for m in v.models + v.streams}
     if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen.values()), default=0) \
@@ -777,9 +886,9 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     used = {m for n in order for v in costs[n].variants for m in v.models}
     if repeat and not used <= evicted:  # (the next run can only add candidates that are not in yet)
         nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat)
-        evicted |= {s.step.model for s in nxt.steps if isinstance(s.step, Unload)}
+        evicted |= nxt.unloaded
         evicted |= {m for v in nxt.chosen.values() for m in v.streams}
     pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
     done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)
-    return Plan(tuple(done.steps), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes},
+    return Plan(done.steps(), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes},
                 cost)

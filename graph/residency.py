@@ -16,12 +16,15 @@ third repeat the third's duration (the pipeline is periodic by then).
 `choose` minimises that time under the memory the node may use: for every count of streamed blocks per kind
 of block (same size and time), the streamed ones spread evenly among their kind; from the best few of those a
 local search (stream one block more or fewer, or swap a streamed and a resident block) goes on while that helps.
-tests/test_residency.py checks it against brute force on small cases.
+Only sets that could win are timed: a floor under a set's time (the upload, and per pass the compute or the copies,
+whichever is longer) skips the others, and times are remembered per spec. tests/test_residency.py checks the choice
+against brute force on small cases, tests/test_fast_paths.py against the same search timing every set.
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -73,48 +76,47 @@ class BlockPlan:
 
 
 def seconds(spec: Blocks, streamed: tuple[int, ...], bandwidth: float) -> float:
-    """Predicted time of the node with `streamed` (sorted block indices) streamed and the others resident."""
-    mask = [False] * len(spec.sizes)
+    """Predicted time of the node with `streamed` (sorted block indices) streamed and the others resident.
+
+    The copy of streamed block g waits for the copy engine and for the compute of block g - 2 (g - 1 with one
+    staging buffer), which frees the buffer it fills; block g computes once block g - 1 is done and its copy has
+    landed. tests/test_fast_paths.py checks it, to the last bit, against a replay of the pipeline event by event."""
+    sizes, secs = spec.sizes, spec.seconds
+    mask = [False] * len(sizes)
     for i in streamed:
         mask[i] = True
-    resident = spec.fixed + sum(s for i, s in enumerate(spec.sizes) if not mask[i])
-    t0 = resident / bandwidth
-    order = [i for i in range(len(mask)) if mask[i]]
-    k = len(order)
+    t0 = (spec.fixed + sum(s for s, m in zip(sizes, mask, strict=True) if not m)) / bandwidth
+    copy = [sizes[i] / bandwidth for i, m in enumerate(mask) if m]  # copy seconds of each streamed block, in order
+    k = len(copy)
     passes = spec.passes
-    sim = min(passes, 3)
     if k == 0:
-        return t0 + passes * sum(spec.seconds)
+        return t0 + passes * sum(secs)
+    sim = min(passes, 3)
     nbuf = min(2, k)
     total = k * sim
-    ready = [0.0] * total
-    done = [0.0] * total
-    engine = t0
-
-    def issue(g: int) -> None:
-        nonlocal engine
-        start = max(engine, done[g - nbuf] if g >= nbuf else t0)
-        engine = start + spec.sizes[order[g % k]] / bandwidth
+    ready = [0.0] * total  # when the copy of streamed block g (counting over all passes) has landed
+    engine = t0  # when the copy engine is free
+    for g in range(nbuf):  # the first copies wait for the resident upload only
+        engine = max(engine, t0) + copy[g]
         ready[g] = engine
-
-    for g in range(nbuf):
-        issue(g)
-    c = t0
+    pipe = list(zip(secs, mask, strict=True))
+    c = prev = t0
     g = 0
-    ends = []
     for _ in range(sim):
-        for i in range(len(mask)):
-            if mask[i]:
-                c = max(c, ready[g]) + spec.seconds[i]
-                done[g] = c
-                if g + nbuf < total:
-                    issue(g + nbuf)
+        prev = c
+        for s, m in pipe:
+            if m:
+                r = ready[g]
+                c = (c if c >= r else r) + s  # (max(), spelled out: this loop is the planner's hottest)
+                h = g + nbuf
+                if h < total:  # block g's buffer is free: the copy engine fills it with block g + nbuf
+                    engine = (engine if engine >= c else c) + copy[h % k]
+                    ready[h] = engine
                 g += 1
             else:
-                c += spec.seconds[i]
-        ends.append(c)
-    if passes > sim:
-        c += (passes - sim) * (ends[-1] - ends[-2])
+                c += s
+    if passes > sim:  # periodic from the third pass on
+        c += (passes - sim) * (c - prev)
     return c
 
 
@@ -145,24 +147,79 @@ def _choose(spec: Blocks, room: int, bw: float) -> BlockPlan | None:
     for i in range(n):
         kinds.setdefault((spec.sizes[i], spec.seconds[i]), []).append(i)
     groups = list(kinds.values())
-    starts: list[tuple[float, int, tuple[int, ...]]] = []
+    search = _Search(spec, room, bw)
+    spread = []
     for counts in itertools.product(*(range(len(g) + 1) for g in groups)):
         streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in _spread(g, k)))
-        if spec.gpu_bytes(streamed) <= room:
-            starts.append((round(seconds(spec, streamed, bw), 9), sum(spec.sizes[i] for i in streamed), streamed))
-    if not starts:
+        if search.fits(streamed):
+            spread.append((search.floor(streamed), streamed))
+    if not spread:
         return None
+    # The best `keep` of the spread sets start the local search. Timed in the order of their floors, the ones left
+    # once a floor is above the keep-th best time so far cannot be among them: their times are above it too.
+    keep = SEEDS if n <= WIDE else 1
+    starts: list[tuple[float, int, tuple[int, ...]]] = []
+    best: list[float] = []  # the keep best (rounded) times so far, negated: a heap whose top is the keep-th best
+    for low, streamed in sorted(spread):
+        if len(best) == keep and low > -best[0] + 1e-9:
+            break
+        t = round(search.seconds(streamed), 9)
+        starts.append((t, sum(spec.sizes[i] for i in streamed), streamed))
+        heapq.heappush(best, -t)
+        if len(best) > keep:
+            heapq.heappop(best)
     starts.sort()
-    found = [_improve(spec, room, bw, st, t) for t, _, st in starts[:SEEDS if n <= WIDE else 1]]
+    found = [_improve(search, st, t) for t, _, st in starts[:keep]]
     secs, streamed = min(found, key=lambda f: (round(f[0], 9), sum(spec.sizes[i] for i in f[1])))
     return _plan(spec, streamed, secs)
 
 
-def _improve(spec: Blocks, room: int, bw: float, streamed: tuple[int, ...],
-             secs: float) -> tuple[float, tuple[int, ...]]:
+class _Search:
+    """What the search asks many times of one (spec, room, bandwidth): whether a streamed set fits, a floor under
+    its time, and its time (each computed once)."""
+
+    def __init__(self, spec: Blocks, room: int, bw: float) -> None:
+        self.spec, self.room, self.bw = spec, room, bw
+        self.total = spec.fixed + sum(spec.sizes)
+        self.pass_compute = sum(spec.seconds)
+        self.times = _times(spec, bw)
+
+    def fits(self, streamed: tuple[int, ...]) -> bool:
+        return self.spec.gpu_bytes(streamed) <= self.room
+
+    def floor(self, streamed: tuple[int, ...]) -> float:
+        """A little below `seconds(streamed)` (sorted indices), from what the pipeline cannot beat: the resident upload
+        comes first; then each of the first min(passes, 3) passes costs at least its compute, and the copy engine
+        copies every streamed byte of them; each later pass (the third's duration) costs at least its compute and
+        the copies of all but its first two streamed blocks, which only start once it has. Less a billionth, which
+        is far more than the rounding of either computation."""
+        sp = self.spec
+        sizes = sp.sizes
+        each = sum(sizes[i] for i in streamed) / self.bw  # copy seconds of one pass
+        sim = min(sp.passes, 3)
+        low = (self.total - sum(sizes[i] for i in streamed)) / self.bw + sim * max(self.pass_compute, each)
+        if sp.passes > sim:
+            late = each - sum(sizes[i] for i in streamed[:2]) / self.bw
+            low += (sp.passes - sim) * max(self.pass_compute, late)
+        return low - 1e-9 * max(1.0, low)
+
+    def seconds(self, streamed: tuple[int, ...]) -> float:
+        t = self.times.get(streamed)
+        if t is None:
+            t = self.times[streamed] = seconds(self.spec, streamed, self.bw)
+        return t
+
+
+@functools.lru_cache(maxsize=64)  # the searches of one node at several rooms look at many of the same sets
+def _times(spec: Blocks, bw: float) -> dict[tuple[int, ...], float]:
+    """`seconds` of the streamed sets looked at so far, for one spec and bandwidth (the room does not matter)."""
+    return {}
+
+
+def _improve(search: _Search, streamed: tuple[int, ...], secs: float) -> tuple[float, tuple[int, ...]]:
     """Local search from `streamed`: stream one block more or fewer, or swap a streamed and a resident one, while
-    that is faster."""
-    n = len(spec.sizes)
+    that is faster (a move whose floor is not faster is not timed)."""
+    n = len(search.spec.sizes)
     while True:
         cur = set(streamed)
         moves = [cur - {i} for i in cur] + [cur | {j} for j in range(n) if j not in cur]
@@ -170,10 +227,13 @@ def _improve(spec: Blocks, room: int, bw: float, streamed: tuple[int, ...],
         found = None
         for m in moves:
             cand = tuple(sorted(m))
-            if spec.gpu_bytes(cand) > room:
+            if not search.fits(cand):
                 continue
-            t = seconds(spec, cand, bw)
-            if t < secs - 1e-9 * max(1.0, secs):  # faster, not a rounding error's worth
+            limit = secs - 1e-9 * max(1.0, secs)  # faster, not a rounding error's worth
+            if search.floor(cand) >= limit:
+                continue
+            t = search.seconds(cand)
+            if t < limit:
                 found, secs = cand, t
         if found is None:
             return secs, streamed

@@ -155,8 +155,7 @@ class Blocks:
 
     def gpu_bytes(self, streamed: tuple[int, ...]) -> int:
         """The node's GPU peak above other resident models with `streamed` blocks streamed, the others resident."""
-        gone = set(streamed)
-        resident = sum(s for i, s in enumerate(self.sizes) if i not in gone)
+        resident = sum(self.sizes) - sum(self.sizes[i] for i in set(streamed))
         return self.fixed + resident + self.staging(streamed) + self.activation
 
     def min_gpu(self) -> int:

@@ -1,0 +1,308 @@
+"""The planner's fast paths against the straightforward computations they replaced, exactly (==, not approx), on
+grids of cases: the streaming pipeline's time and the choice of resident blocks (graph/residency.py), the pass that
+finishes images early (graph/early.py) and pass 3's look ahead for evictions (graph/planner.py `_NextUse`).
+
+The references below are the earlier code, kept as it was: slow and obvious. Pure (no torch); no timing here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import networkx as nx
+import pytest
+from vramgraph.graph import residency
+from vramgraph.graph.early import finish_early
+from vramgraph.graph.planner import ModelCost, _NextUse, _Sizes
+from vramgraph.nodes.types import Blocks, Variant
+
+MB = 10**6
+
+# ------------------------------------------------------------------------------------------ residency references
+
+
+def replay(spec: Blocks, streamed: tuple[int, ...], bandwidth: float) -> float:
+    """The pipeline event by event: every copy, every block of every simulated pass."""
+    mask = [False] * len(spec.sizes)
+    for i in streamed:
+        mask[i] = True
+    resident = spec.fixed + sum(s for i, s in enumerate(spec.sizes) if not mask[i])
+    t0 = resident / bandwidth
+    order = [i for i in range(len(mask)) if mask[i]]
+    k = len(order)
+    passes = spec.passes
+    sim = min(passes, 3)
+    if k == 0:
+        return t0 + passes * sum(spec.seconds)
+    nbuf = min(2, k)
+    total = k * sim
+    ready = [0.0] * total
+    done = [0.0] * total
+    engine = t0
+
+    def issue(g: int) -> None:
+        nonlocal engine
+        start = max(engine, done[g - nbuf] if g >= nbuf else t0)
+        engine = start + spec.sizes[order[g % k]] / bandwidth
+        ready[g] = engine
+
+    for g in range(nbuf):
+        issue(g)
+    c = t0
+    g = 0
+    ends = []
+    for _ in range(sim):
+        for i in range(len(mask)):
+            if mask[i]:
+                c = max(c, ready[g]) + spec.seconds[i]
+                done[g] = c
+                if g + nbuf < total:
+                    issue(g + nbuf)
+                g += 1
+            else:
+                c += spec.seconds[i]
+        ends.append(c)
+    if passes > sim:
+        c += (passes - sim) * (ends[-1] - ends[-2])
+    return c
+
+
+def plain_choose(spec: Blocks, room: int, bw: float) -> residency.BlockPlan | None:
+    """Every evenly spread set timed, the best few improved by timing every move (no floors, nothing remembered)."""
+    n = len(spec.sizes)
+    kinds: dict[tuple[int, float], list[int]] = {}
+    for i in range(n):
+        kinds.setdefault((spec.sizes[i], spec.seconds[i]), []).append(i)
+    groups = list(kinds.values())
+    starts = []
+    for counts in itertools.product(*(range(len(g) + 1) for g in groups)):
+        streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in residency._spread(g, k)))
+        if spec.gpu_bytes(streamed) <= room:
+            starts.append((round(replay(spec, streamed, bw), 9), sum(spec.sizes[i] for i in streamed), streamed))
+    if not starts:
+        return None
+    starts.sort()
+    keep = residency.SEEDS if n <= residency.WIDE else 1
+    found = [plain_improve(spec, room, bw, st, t) for t, _, st in starts[:keep]]
+    secs, streamed = min(found, key=lambda f: (round(f[0], 9), sum(spec.sizes[i] for i in f[1])))
+    return residency._plan(spec, streamed, secs)
+
+
+def plain_improve(spec: Blocks, room: int, bw: float, streamed: tuple[int, ...],
+                  secs: float) -> tuple[float, tuple[int, ...]]:
+    n = len(spec.sizes)
+    while True:
+        cur = set(streamed)
+        moves = [cur - {i} for i in cur] + [cur | {j} for j in range(n) if j not in cur]
+        moves += [(cur - {i}) | {j} for i in cur for j in range(n)
+                  if j not in cur and (n <= residency.WIDE or abs(i - j) <= 2)]
+        found = None
+        for m in moves:
+            cand = tuple(sorted(m))
+            if spec.gpu_bytes(cand) > room:
+                continue
+            t = replay(spec, cand, bw)
+            if t < secs - 1e-9 * max(1.0, secs):
+                found, secs = cand, t
+        if found is None:
+            return secs, streamed
+        streamed = found
+
+
+def klein_like(passes: int, seconds_scale: float = 1.0) -> Blocks:
+    """klein-4B's transformer shape: 5 double blocks then 20 single ones, the weights outside them resident."""
+    sizes = (302 * MB,) * 5 + (234 * MB,) * 20
+    secs = tuple(s * seconds_scale for s in (0.0042,) * 5 + (0.0031,) * 20)
+    return Blocks("dit", sizes, secs, fixed=420 * MB, activation=600 * MB, passes=passes)
+
+
+def encoder_like(passes: int = 1) -> Blocks:
+    """The text encoder's shape: 27 equal layers, the embedding table in host memory."""
+    return Blocks("te", (200 * MB,) * 27, (0.0012,) * 27, fixed=0, activation=200 * MB, passes=passes, unit="encode")
+
+
+def small(seed: int) -> Blocks:
+    rng = random.Random(seed)
+    kinds = [(rng.choice((100, 150, 200, 300)), rng.choice((0.25, 0.5, 1.0, 1.5, 2.0)))
+             for _ in range(rng.randint(1, 3))]
+    blocks = [rng.choice(kinds) for _ in range(rng.randint(1, residency.WIDE))]
+    return Blocks("m", tuple(b[0] for b in blocks), tuple(b[1] for b in blocks), fixed=rng.choice((0, 30)),
+                  activation=rng.choice((0, 40)), passes=rng.choice((1, 2, 3, 4, 10)))
+
+
+def rooms(spec: Blocks) -> list[int]:
+    """From below the floor to more than everything, through the middle."""
+    lo, hi = spec.min_gpu(), spec.gpu_bytes(())
+    return sorted({lo - 1, lo, *(lo + (hi - lo) * k // 6 for k in range(1, 6)), hi, hi + 10**9})
+
+
+SPECS = [klein_like(p) for p in (1, 3, 4, 8, 50)] + [klein_like(4, 8.0), encoder_like(), encoder_like(2)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.model}-{s.passes}x-{s.seconds[0]:.4f}")
+@pytest.mark.parametrize("bw", [10e9, 55.3e9])
+def test_choose_is_the_plain_search_on_model_shapes(spec: Blocks, bw: float) -> None:
+    for room in rooms(spec):
+        assert residency.choose(spec, room, bw) == plain_choose(spec, room, bw * residency.STREAM_COPY_EFFICIENCY), room
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_choose_is_the_plain_search_on_small_specs(seed: int) -> None:
+    spec = small(seed)
+    for bw in (50.0, 100.0, 400.0):
+        for room in rooms(spec):
+            assert residency.choose(spec, room, bw) == plain_choose(spec, room, bw * residency.STREAM_COPY_EFFICIENCY)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_seconds_and_floor_against_the_replay(seed: int) -> None:
+    """The time to the last bit, and the floor the search skips by never above it (else a move would be lost)."""
+    rng = random.Random(seed)
+    spec = [klein_like(rng.choice((1, 2, 3, 4, 9, 50))), encoder_like(rng.choice((1, 4))), small(seed)][seed % 3]
+    n = len(spec.sizes)
+    for _ in range(100):
+        streamed = tuple(sorted(rng.sample(range(n), rng.choice((0, 1, 2, rng.randint(0, n))))))
+        for bw in (1e9, 20e9, 55e9) if spec.model != "m" else (10.0, 100.0, 1000.0):
+            t = residency.seconds(spec, streamed, bw)
+            assert t == replay(spec, streamed, bw), streamed
+            assert residency._Search(spec, 0, bw).floor(streamed) <= t, streamed
+
+
+# ---------------------------------------------------------------------------------------- finish_early reference
+
+
+def plain_finish_early(order, dag, prov, weights, gpu, resident=()):
+    """graph/early.py's pass as first written: every step walks the order left and every node's descendants."""
+    need = {n: set(prov[n].models) for n in order}
+    finishing = {n for n in order if all(need.get(d, set()) <= need[n] for d in nx.descendants(dag, n))}
+    if not finishing:
+        return list(order)
+    res = list(resident)
+    left = list(order)
+    done: set[str] = set()
+    out = []
+
+    def free(n: str) -> bool:
+        joined = set(res) | need[n]
+        held = sum(weights[m] for m in joined)
+        return all(held + prov[m].activation <= gpu for m in left if need[m] <= joined)
+
+    while left:
+        pick = next((n for n in left if n in finishing and all(p in done for p in dag.predecessors(n)) and free(n)),
+                    left[0])
+        left.remove(pick)
+        done.add(pick)
+        out.append(pick)
+        v = prov[pick]
+        for m in dict.fromkeys(v.models):
+            if m in res:
+                res.remove(m)
+            res.append(m)
+        while sum(weights[m] for m in res) + v.activation > gpu:
+            victim = next((m for m in res if m not in v.models), None)
+            if victim is None:
+                break
+            res.remove(victim)
+    return out
+
+
+WEIGHTS = {"te": 58, "dit": 72, "vae": 1, "ref": 9}  # tenths of a GiB, as klein's
+
+
+def queue(rng: random.Random, prompts: int) -> tuple[nx.DiGraph, dict[str, Variant]]:
+    """A merged queue: shared loaders, then per prompt an encode, perhaps a reference encode, a sample, a decode and
+    a save; the stages' models and activations drawn at random (some need two models, some none)."""
+    dag = nx.DiGraph()
+    prov: dict[str, Variant] = {}
+    stage = {"enc": ("te",), "ref": ("vae",), "sample": ("dit",), "decode": ("vae",), "save": ()}
+    if rng.random() < 0.3:
+        stage["decode"] = rng.choice((("vae", "dit"), ("ref",), ()))
+    for name in ("load_te", "load_dit", "load_vae"):
+        dag.add_node(name)
+        prov[name] = Variant("host")
+    for p in range(prompts):
+        nodes = {s: f"q{p}:{s}" for s in stage}
+        dag.add_edge("load_te", nodes["enc"])
+        dag.add_edge(nodes["enc"], nodes["sample"])
+        if rng.random() < 0.5:
+            dag.add_edge("load_vae", nodes["ref"])
+            dag.add_edge(nodes["ref"], nodes["sample"])
+        else:
+            del nodes["ref"]
+        dag.add_edge("load_dit", nodes["sample"])
+        dag.add_edge(nodes["sample"], nodes["decode"])
+        dag.add_edge(nodes["decode"], nodes["save"])
+        for s, n in nodes.items():
+            prov[n] = Variant("gpu", stage[s], rng.choice((0, 2, 6, 24, 95)) if stage[s] else 0)
+    return dag, prov
+
+
+def orders(rng: random.Random, dag: nx.DiGraph) -> list[list[str]]:
+    """Grouped (by stage), prompt by prompt, a random topological order and one that is not topological."""
+    nodes = list(dag.nodes)
+    stage_of = {n: n.split(":")[-1] for n in nodes}
+    rank = {"load_te": 0, "load_dit": 0, "load_vae": 0, "enc": 1, "ref": 2, "sample": 3, "decode": 4, "save": 5}
+    grouped = sorted(nodes, key=lambda n: (rank[stage_of[n]], nodes.index(n)))
+    topo, indeg = [], {n: dag.in_degree(n) for n in nodes}
+    ready = [n for n in nodes if not indeg[n]]
+    while ready:
+        n = ready.pop(rng.randrange(len(ready)))
+        topo.append(n)
+        for s in dag.successors(n):
+            indeg[s] -= 1
+            if not indeg[s]:
+                ready.append(s)
+    shuffled = nodes[:]
+    rng.shuffle(shuffled)
+    return [grouped, list(nx.topological_sort(dag)), topo, shuffled]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_finish_early_is_the_plain_pass(seed: int) -> None:
+    rng = random.Random(seed)
+    dag, prov = queue(rng, rng.choice((1, 2, 3, 8, 16)))
+    for order in orders(rng, dag):
+        for gpu in (80, 90, 100, 140, 170, 250):
+            start = rng.sample(sorted(WEIGHTS), rng.randint(0, 2))
+            assert finish_early(order, dag, prov, WEIGHTS, gpu, start) == \
+                plain_finish_early(order, dag, prov, WEIGHTS, gpu, start), (order, gpu, start)
+
+
+# ------------------------------------------------------------------------------------------ pass 3's look ahead
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("repeat", [True, False])
+def test_next_use_is_the_walk_along_the_order(seed: int, repeat: bool) -> None:
+    """As pass 3 asks: positions going up, each node's variant chosen once its turn has passed (perhaps another
+    than the provisional one); the answer is the first node a walk over the rest of this run, then the next run
+    (with repeat), meets."""
+    rng = random.Random(seed)
+    sizes = _Sizes({k: ModelCost(k, w) for k, w in WEIGHTS.items()})
+    pool = [Variant(f"v{k}", ms, act) for k, (ms, act) in enumerate(itertools.product(
+        ((), ("te",), ("dit",), ("vae",), ("vae", "dit"), ("ref",)), (0, 5, 30, 90)))]
+    n = rng.randint(1, 60)
+    order = [f"n{j}" for j in range(n)]
+    prov = {x: rng.choice(pool) for x in order}
+    gpu = rng.choice((80, 100, 150, 300))
+    after = _NextUse(order, prov, sizes, gpu, repeat)
+    chosen: dict[str, Variant] = {}
+
+    def walk(m: str, i: int, cur: Variant) -> tuple[Variant, int] | None:
+        ahead = [(j - i, chosen.get(order[j]) or prov[order[j]]) for j in range(i + 1, n)]
+        behind = [(n - i + j, chosen[order[j]]) for j in range(i)] + [(n, cur)] if repeat else []
+        for d, v in ahead + behind:
+            if m in v.models or sizes.weights(v.models) + sizes.w(m) + v.activation > gpu:
+                return v, d
+        return None
+
+    for i, x in enumerate(order):
+        cur = rng.choice(pool)
+        for _ in range(2):  # asked more than once at a position, as pass 3 does for each variant
+            for m in WEIGHTS:
+                got, want = after.first(m, i, chosen, cur), walk(m, i, cur)
+                assert (got is None) == (want is None), (m, i)
+                if got is not None:
+                    assert got[0] is want[0] and got[1] == want[1], (m, i)
+        chosen[x] = prov[x] if rng.random() < 0.7 else rng.choice(pool)

@@ -214,6 +214,18 @@ def wait_for(what: str, check, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+def closed(messages: list[dict], pid: str, timeout: float = 30.0) -> list[dict]:
+    """`messages` once they hold `pid`'s closing `executing` (node None): the history can show a prompt done a
+    moment before the websocket relay delivers its last event."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if any(m["type"] == "executing" and isinstance(m["data"], dict) and m["data"].get("prompt_id") == pid
+               and m["data"].get("node") is None for m in list(messages)):
+            break
+        time.sleep(0.05)
+    return list(messages)
+
+
 def check_order(messages: list[dict], pid: str, once: bool) -> None:
     """One prompt's events as its client saw them: ComfyUI's order, from its last start to its end, nothing after."""
     seq = [m for m in messages if m["type"] != "status" and isinstance(m["data"], dict)
@@ -355,7 +367,7 @@ def _fleet(url: str, folder: Path, rabbit: Rabbit, workers: dict, clients: Clien
     assert all(a["worker"] == holder[w] for a, (w, _) in zip(about.values(), order, strict=True) if a["resident"])
     for p, (_, client) in zip(pids, order, strict=True):
         assert history[p]["status"]["status_str"] == "success"
-        check_order(clients.messages[client], p, once=True)
+        check_order(closed(clients.messages[client], p), p, once=True)
         other = "c2" if client == "c1" else "c1"
         assert not any(m["data"].get("prompt_id") == p for m in clients.messages[other] if isinstance(m["data"], dict))
         assert len(images_of(folder, p)) == 1
@@ -391,7 +403,7 @@ def _fleet(url: str, folder: Path, rabbit: Rabbit, workers: dict, clients: Clien
     assert workers[victim].wait(10) == -signal.SIGKILL
     for p, (_, client) in zip(pids2, order2, strict=True):
         assert history2[p]["status"]["status_str"] == "success", history2[p]["status"]
-        check_order(clients.messages[client], p, once=False)
+        check_order(closed(clients.messages[client], p), p, once=False)
         assert len(images_of(folder, p)) == 1, f"{p}: {images_of(folder, p)}"
     assert not list((folder / "output").rglob("*.part")), "a half-written image is left"
     rerun = [p for p in b_pids if history2[p]["vramgraph"]["fleet"]["worker"] == survivor]

@@ -48,7 +48,7 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -209,16 +209,6 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
-def _loaded(steps: Iterable[PlannedStep], models: Mapping[str, ModelCost]) -> int:
-    """Bytes copied host->GPU by the Load steps among `steps`."""
-    return sum(models[s.step.model].nbytes for s in steps if isinstance(s.step, Load))
-
-
-def _streamed(steps: Iterable[PlannedStep]) -> int:
-    """Bytes copied host->GPU by the streaming Runs among `steps` (every pass, and their resident blocks' upload)."""
-    return sum(s.blocks.total_streamed + s.blocks.resident_bytes for s in steps if s.blocks is not None)
-
-
 @dataclass(frozen=True)
 class Plan:
     steps: tuple[PlannedStep, ...]
@@ -236,12 +226,12 @@ class Plan:
     @property
     def bytes_moved(self) -> int:
         """Bytes copied host->GPU by the Load steps."""
-        return _loaded(self.steps, self.models)
+        return sum(self.models[s.step.model].nbytes for s in self.steps if isinstance(s.step, Load))
 
     @property
     def streamed_bytes(self) -> int:
         """Bytes copied host->GPU by the Runs that stream a model (every pass, and their resident blocks' upload)."""
-        return _streamed(self.steps)
+        return sum(s.blocks.total_streamed + s.blocks.resident_bytes for s in self.steps if s.blocks is not None)
 
     @property
     def seconds(self) -> float:
@@ -811,7 +801,8 @@ def _host_peak(order: list[str], dag: nx.DiGraph, costs: Mapping[str, NodeCost])
 
 
 def _moved(a: _Assigned, models: Mapping[str, ModelCost]) -> int:
-    """Bytes an assignment copies host->GPU: its loads and its streaming (read from its rows: no steps are made)."""
+    """Bytes an assignment copies host->GPU, as Plan.bytes_moved + Plan.streamed_bytes count them, read from its rows
+    (no steps are made)."""
     return (sum(models[args[0]].nbytes for kind, args, *_ in a.rows if kind is Load)
             + sum(bp.total_streamed + bp.resident_bytes for *_, bp in a.rows if bp is not None))
 

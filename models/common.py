@@ -99,8 +99,8 @@ class _Pages(mmap.mmap):
 def host_pages(nbytes: int) -> torch.Tensor:
     """A uint8 host tensor over fresh anonymous pages (page-aligned, not yet touched, not yet pinned)."""
     # Private pages, faulted in by the parallel readers, in transparent huge pages where the kernel allows.
-    # Python's default anonymous map is shared (shmem-backed): its page faults serialise, and reads into it
-    # ran at 4.3 GB/s on the H200 host against 15.1 private with huge pages (bench/results/read_probe.json).
+    # Python's default anonymous map is shared (shmem-backed): its page faults serialise, and 16 parallel reads into
+    # it ran at 3.9-4.3 GB/s on the H200 host against 20.8 private with huge pages (bench/results/read_probe.json).
     pages = _Pages(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         pages.madvise(mmap.MADV_HUGEPAGE)
@@ -287,8 +287,9 @@ def _staged(spans: Mapping[str, list[tuple[Path, int, int]]], shapes: Mapping[st
             device: torch.device, stage: int = STAGE_BYTES) -> dict:
     """Read byte ranges into one of two page-locked host buffers of `stage` bytes by READ_THREADS parallel reads,
     and copy each filled buffer to its tensors on `device` while the next one is read. Host memory stays at two
-    buffers whatever the model's size; reads run at page-cache speed (15-20 GB/s on the H200 host against 6-7 GB/s
-    through the memory map, bench/results/read_probe.json) and the copies hide behind them."""
+    buffers whatever the model's size; reads run at page-cache speed (20.8 GB/s on the H200 host,
+    bench/results/read_probe.json; tensor by tensor through the memory map, loads ran at 5.6-6.9 GB/s in the server's
+    log of the uncapped run behind peer_small_cards-shmem.json) and the copies hide behind them."""
     out = {n: torch.empty(shapes[n][0], dtype=shapes[n][1], device=device) for n in spans}
     pieces = []  # (tensor, byte offset in it, file, file offset, bytes), none larger than a stage
     for n, parts in spans.items():

@@ -128,6 +128,8 @@ class ComfyUI:
         (self.base / "custom_nodes").mkdir(parents=True, exist_ok=True)
         (self.base / "user").mkdir(exist_ok=True)
         link = self.base / "custom_nodes" / "vramgraph"
+        if link.is_symlink() and link.resolve() != ROOT:  # an earlier run's checkout (a worktree since removed)
+            link.unlink()
         if not link.is_symlink():
             link.symlink_to(ROOT)
         self.t0 = time.time()

@@ -1,7 +1,7 @@
 """No OOM, and every node's GPU peak near its estimate, over cards x sizes x workflows (issue 13 item 3).
 
     python3 bench/oom_matrix.py OUT.json [--cards 6,8,10,12,16] [--sizes 512,1024,1536,2048]
-            [--workflows text_to_image,edit,text_to_image_base] [--steps N] [--margin-gib X]
+            [--workflows text_to_image,edit,text_to_image_base] [--steps N] [--margin-gib X] [--reserve-gib X]
             [--context start|now] [--poll-ms 20] [--deadline-s 540]
     bash bench/run_device.sh oom_matrix --cards 6,8              (on the device machine: $OUT/oom_matrix.json)
     python3 bench/oom_matrix.py OUT.json --merge A.json B.json   (chunks into one report, the summary recomputed)
@@ -148,7 +148,8 @@ def run_cell(engine: Engine, a: argparse.Namespace, workflow: str, card: int, si
     cuda = engine.device.type == "cuda"
     unit = GiB if cuda else MiB
     cell: dict = {"workflow": workflow, "card": card, "unit": "GiB" if cuda else "MiB", "side": side}
-    reserve = None if cuda else "0B"  # the CPU's cards are a few MiB (tiny models): no 256 MiB reserve there
+    # the CPU's cards are a few MiB (tiny models): no 256 MiB reserve there
+    reserve = ("0B" if not cuda else None if a.reserve_gib is None else f"{int(a.reserve_gib * GiB)}B")
 
     def budget() -> planner.Budget:
         return budget_for(engine.device, f"{card}{cell['unit']}", reserve,
@@ -317,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per image (default: the fewest that plan as the "
                     "workflow's own steps do)")
     ap.add_argument("--margin-gib", type=float, default=None, help="CARD_MARGIN for this run (graph/budget.py)")
+    ap.add_argument("--reserve-gib", type=float, default=None, help="--reserve for this run (graph/planner.py "
+                    "DEFAULT_RESERVE by default)")
     ap.add_argument("--context", choices=("start", "now"), default="start", help="the CUDA context the budget counts: "
                     "measured at this process's start (a fresh CLI process), or before each cell")
     ap.add_argument("--poll-ms", type=float, default=20.0, help="device memory sampling period")
@@ -336,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     cuda = not a.cpu
     # the context a fresh process measures (graph/budget.py), before this one has run any kernel
-    start_context = budget_for("cuda", cap=False).outside_allocator if cuda else None
+    # (without the BLAS workspace, which budget_for adds to the context it is given)
+    start_context = (budget_for("cuda", cap=False).outside_allocator - budget_mod.blas_workspace(0)) if cuda else None
     if a.margin_gib is not None:
         budget_mod.CARD_MARGIN = int(a.margin_gib * GiB)  # read by card_budget at every budget_for
     cards = [int(c) for c in (a.cards or DEFAULTS[a.cpu][0]).split(",")]
@@ -357,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.run(prompt(wf, min(sides), 1))
     report = {"env": env(), "args": vars(a), "card_margin_gib": budget_mod.CARD_MARGIN / GiB,
               "start_context_gib": _gib(start_context),
+              "blas_workspace_gib": _gib(budget_mod.blas_workspace(0)) if cuda else None,
               "setup_s": round(time.perf_counter() - t_start, 1), "cells": [], "not_run": []}
     for wf in workflows:  # the text to image and the edit share their models: few re-reads of pinned copies
         for card in cards:

@@ -22,31 +22,31 @@ from .planner import DEFAULT_RESERVE, Budget, PlanError
 
 GiB = 2**30
 HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
-# A card of `--vram` bytes is split as: CUDA context (measured when the budget is made: `torch.cuda.mem_get_info`
-# minus what torch's allocator holds) + CARD_MARGIN + DEFAULT_RESERVE + the plan's budget (weights + activations).
+# A card of `--vram` bytes is split as: CUDA context and cuBLAS workspace (measured when the budget is made, after
+# `blas_workspace` has initialised cuBLAS: `torch.cuda.mem_get_info` minus what torch's allocator holds, plus the
+# workspace) + CARD_MARGIN + the reserve (DEFAULT_RESERVE unless --reserve) + the plan's budget (weights and
+# activations). Without --vram the budget is the device's free memory less CARD_MARGIN and the reserve.
 #
-# CARD_MARGIN is device memory this process comes to use outside torch's allocator after the context was measured
-# (kernel images loaded on first use, library workspaces). Measured on the H200, 12 GiB card emulated, with the
-# budget of the time (margin 1 GiB): bench/results/peer_compare.json (code of 0e542bd) puts our whole-device NVML
-# peak at 11.59-11.86 GiB over five jobs (512² to 2048², cold and warm; `dev_used_max_during` in
-# peer_compare.log). NVML's v1 `used`, which the benchmark client reads, includes the memory the driver keeps for
-# itself: NVML's total is 140.40 GiB there (peer_compare.log: --reserve-vram 129.601 = NVML total - 12 + 1.2) and
-# CUDA's is 139.80 GiB (plan_matrix-rerun.json, uncapped: budget 138.868 + reserve 0.25 + context 0.682), so
-# 0.60 GiB of every NVML figure is not the process's. The process itself thus peaked at <= 11.26 GiB of the
-# 12 GiB card: 0.74 GiB of it stayed unused. A margin of 0.30 GiB was tried on that reasoning and measured
-# (bench/results/peer_compare_margin030.json, the merged code of 2026-12-02 with block streaming): our
-# whole-device NVML peak then reached 12.53 GiB on the emulated 12 GiB card (ComfyUI 11.84), and 8.62 GiB on an
-# 8 GiB card with the fp8 transformer (bench/results/peer_compare_fp8.json; ComfyUI 7.78): over the card even
-# after the driver's 0.60 GiB, so memory outside torch's allocator (a second CUDA stream's pool, kernels loaded on
-# first use) grows with what the plan does. On a real card, whose CUDA-visible memory is below its nominal size,
-# that is an out-of-memory error. The margin is back at 1 GiB, which kept the whole-device peak below the card in
-# every measured job (bench/results/peer_compare_cap12.json: 11.59 GiB, ComfyUI 11.81).
-CARD_MARGIN = 1024 * 2**20
-# The CUDA context a plan off the GPU assumes (`vramgraph plan` on a laptop, `--device cpu` with --vram): the
-# largest measured on the H200 after a warm run, 0.682-0.784 GiB (plan_matrix-rerun.json: context_gib minus the
-# 1 GiB margin of that code), rounded up. Consumer cards measure less (their page tables are smaller), so a plan
-# made here is never larger than the card can hold; on the GPU the measured context is used instead.
-CONTEXT_ESTIMATE = 808 * 2**20
+# CARD_MARGIN is device memory this process comes to use outside torch's allocator after the context was measured:
+# kernel images loaded on first use. The reserve is what torch's allocator holds above the live tensors (rounding, its
+# small-block pool) when the cap presses it; the rest of its cache it releases before an allocation fails. Measured on
+# the H200 (bench/results/oom_matrix.json, all 60 cells {6, 8, 10, 12, 16} GiB x 512²-2048² x text to image, edit, base
+# with CFG, code of 2026-12-02 with a margin of 0.15 GiB and a reserve of 0.10):
+# - the context measured at the start, after cuBLAS is initialised, is 0.669 GiB and the workspace 0.031; once kernels
+#   have run the context is 0.774-0.778: it grows by 0.11 (before the cuBLAS initialisation moved into the budget it
+#   measured 0.51 at the start and grew by 0.26, which the margin of 1 GiB of earlier code had to hold);
+# - torch's reserved peak stays within the budget + 0.116 GiB (the workspace included);
+# - NVML's count of this process's memory (context and allocator together) stays 0.092-0.47 GiB under the card in
+#   every cell, 0 OOM (NVML's whole-device `used` also counts 0.60 GiB the H200's driver keeps for itself, which a
+#   real card's CUDA total already leaves out). The same matrix with the reserve at 0.25 GiB: 0.197 GiB under at least.
+# A margin of 0.30 GiB without the cuBLAS initialisation in the budget had let the process pass an 8 GiB card by 0.02
+# GiB (bench/results/peer_compare_fp8.json): the context then grew by 0.26-0.30 GiB after it was measured.
+CARD_MARGIN = 160 * 2**20
+# The CUDA context and cuBLAS workspace a plan off the GPU assumes (`vramgraph plan` on a laptop, `--device cpu` with
+# --vram): the H200's, measured as the GPU run measures them (0.669 + 0.031 GiB, above), rounded up. Consumer cards
+# measure less (their page tables are smaller), so a plan made here is never larger than the card can hold; on the GPU
+# the measured context is used instead.
+CONTEXT_ESTIMATE = 720 * 2**20
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
          "g": GiB, "gb": 10**9, "gib": GiB, "t": 2**40, "tb": 10**12, "tib": 2**40}
 
@@ -89,6 +89,27 @@ def card_budget(card: int, context: int, reserve: int = DEFAULT_RESERVE) -> int:
     return card - context - CARD_MARGIN - reserve
 
 
+_WORKSPACE: dict[int, int] = {}
+
+
+def blas_workspace(index: int) -> int:
+    """The bytes of the cuBLAS workspace torch allocates on a device's first matrix product and keeps for the rest of
+    the process (through its caching allocator, so the node that made that first product would measure it in its peak:
+    bench/results/calibrate.json's first text encode peaked 34 MiB above the same encode later in oom_matrix.json).
+    Made here, once per device, so that a budget counts it outside the plan rather than in a node."""
+    if index not in _WORKSPACE:
+        import torch
+
+        with torch.cuda.device(index):
+            before = torch.cuda.memory_allocated(index)
+            a = torch.ones(64, 64, device=f"cuda:{index}", dtype=torch.bfloat16)
+            (a @ a).float().sum().item()  # a bf16 and an fp32 product: cuBLAS and cuBLASLt
+            (a.float() @ a.float()).sum().item()
+            del a
+            _WORKSPACE[index] = max(0, torch.cuda.memory_allocated(index) - before)
+    return _WORKSPACE[index]
+
+
 def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | None = None,
                host: str | int | None = None, *, cap: bool = True, context: int | None = None) -> Budget:
     """The budget on `device` (a torch.device or its name; None: no device, a plan for the card `vram` describes,
@@ -115,22 +136,24 @@ def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | 
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.init()
+    workspace = blas_workspace(index)
     free, total = torch.cuda.mem_get_info(index)
     ours = torch.cuda.memory_reserved(index)
-    # this process's context (assumes the device is not shared), unless the caller gives it
-    outside = max(0, total - free - ours) if context is None else context
+    # this process's context (assumes the device is not shared), unless the caller gives it, and the BLAS workspace
+    # torch holds for the rest of the process
+    outside = (max(0, total - free - ours) if context is None else context) + workspace
     if card is None:
         if cap:
             torch.cuda.set_per_process_memory_fraction(1.0, index)  # undo an earlier cap in this process
-        return Budget(free + ours - res, host_bytes, None, res, outside)
+        return Budget(free + ours - workspace - CARD_MARGIN - res, host_bytes, None, res, outside + CARD_MARGIN)
     if card > total:
         raise ValueError(f"--vram {vram} is more than the device has ({total / GiB:.1f} GiB)")
     gpu = card_budget(card, outside, res)
     if gpu <= 0:
         raise ValueError(f"--vram {vram} leaves nothing: the CUDA context alone takes {outside / GiB:.2f} GiB, and "
                          f"{(CARD_MARGIN + res) / GiB:.2f} GiB are kept free")
-    if cap:  # torch may hold the plan's bytes and the reserve (allocator rounding, workspaces), no more
-        torch.cuda.set_per_process_memory_fraction((gpu + res) / total, index)
+    if cap:  # torch may hold the plan's bytes, the reserve (allocator rounding) and the BLAS workspace, no more
+        torch.cuda.set_per_process_memory_fraction((gpu + res + workspace) / total, index)
     return Budget(gpu, host_bytes, card, res, outside + CARD_MARGIN)
 
 

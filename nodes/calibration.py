@@ -7,11 +7,12 @@ holds its measured "bytes" (torch.cuda.max_memory_allocated above the resident w
 (sampler: image + text + reference tokens; text encode: the padded prompt, 512), "dtype" (compute dtype, "bf16"
 unless given), "hidden" (the model's width: 2560 for the Qwen3 encoder, 3072 for the transformer unless given)
 and "decoder_width" (the VAE's full-resolution level's channels, 128 unless given: the decoder's for a decode, the
-encoder's for an encode; the small decoder's is 96). The fit is ordinary least squares of each
-formula, linear in its constants:
+encoder's for an encode; the small decoder's is 96). The fit is least squares of each formula, linear in its
+constants (the sampler's two lines each over the points where it is the larger, `_two_lines`):
 
     text encode   bytes = TE_FIXED_<dtype> + TE_PER_TOKEN_<dtype> * batch * tokens * hidden * item   (bf16, fp32 apart)
-    sampler       bytes = batch * hidden * item * (DIT_PER_TOKEN * tokens + DIT_FIXED)
+    sampler       bytes = batch * hidden * item * max(DIT_PER_TOKEN * tokens + DIT_FIXED,
+                                                      DIT_PER_TOKEN_LARGE * tokens + DIT_FIXED_LARGE)
     decode        bytes = VAE_DECODE_PER_PIXEL * pixels * decoder_width * item + VAE_DECODE_FIXED
     encode        bytes = VAE_ENCODE_PER_PIXEL * pixels * decoder_width * item + VAE_ENCODE_FIXED
     tiled decode  bytes = decode(largest tile's pixels) + TILED_CANVAS * pixels   (the decode constants as fitted)
@@ -32,7 +33,7 @@ from .estimates import _itemsize
 KINDS = ("text_encode", "sampler", "decode", "tiled", "vae_encode")
 TE_DTYPES = {"BF16": 2, "FP32": 4}  # the text encode's constants by the item size they are fitted on
 CONSTANTS = ("TE_FIXED_BF16", "TE_PER_TOKEN_BF16", "TE_FIXED_FP32", "TE_PER_TOKEN_FP32", "DIT_PER_TOKEN", "DIT_FIXED",
-             "VAE_DECODE_PER_PIXEL", "VAE_DECODE_FIXED",
+             "DIT_PER_TOKEN_LARGE", "DIT_FIXED_LARGE", "VAE_DECODE_PER_PIXEL", "VAE_DECODE_FIXED",
              "VAE_ENCODE_PER_PIXEL", "VAE_ENCODE_FIXED", "TILED_CANVAS")
 DEFAULT_HIDDEN = {"text_encode": 2560, "sampler": 3072}
 Point = Mapping[str, Any]
@@ -66,6 +67,44 @@ def _lstsq(x: Sequence[float], y: Sequence[float], intercept: bool) -> tuple[flo
     return float(sol[0]), float(sol[1]) if intercept else 0.0
 
 
+def _relative(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """The line a * x + b that fits y best in relative error (each row divided by its y)."""
+    a = np.array([[xi / yi, 1.0 / yi] for xi, yi in zip(x, y, strict=True)], dtype=np.float64)
+    sol = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)[0]
+    return float(sol[0]), float(sol[1])
+
+
+def _two_lines(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float, float]:
+    """max(a * x + b, c * x + d) fitted to y: each split of the sorted x into a lower and an upper part (two distinct x
+    at least in each) starts a fit; each line is refitted over the points where it is the larger until that stops
+    changing; the split whose result has the smallest worst relative error wins."""
+    xs = sorted(set(x))
+    best: tuple[float, tuple[float, float, float, float]] | None = None
+    for cut in xs[2:-1]:
+        low = [xi < cut for xi in x]
+        for _ in range(20):
+            lo = [i for i, v in enumerate(low) if v]
+            hi = [i for i, v in enumerate(low) if not v]
+            if len({x[i] for i in lo}) < 2 or len({x[i] for i in hi}) < 2:
+                break
+            a, b = _relative([x[i] for i in lo], [y[i] for i in lo])
+            c, d = _relative([x[i] for i in hi], [y[i] for i in hi])
+            now = [a * xi + b >= c * xi + d for xi in x]
+            if now == low:
+                break
+            low = now
+        else:
+            continue
+        if len({x[i] for i in lo}) < 2 or len({x[i] for i in hi}) < 2:
+            continue
+        worst = max(abs(max(a * xi + b, c * xi + d) / yi - 1) for xi, yi in zip(x, y, strict=True))
+        if best is None or worst < best[0]:
+            best = (worst, (a, b, c, d) if a <= c else (c, d, a, b))
+    if best is None:
+        raise ValueError("the sampler's fit needs points at four token counts at least")
+    return best[1]
+
+
 def fit(calibration: Mapping[str, Sequence[Point]]) -> dict[str, float]:
     """The estimate constants that fit `calibration` best (least squares), unrounded."""
     c: dict[str, float] = {}
@@ -75,8 +114,8 @@ def fit(calibration: Mapping[str, Sequence[Point]]) -> dict[str, float]:
         if te:
             c[f"TE_PER_TOKEN_{name}"], c[f"TE_FIXED_{name}"] = _lstsq(x, [p["bytes"] for p in te], len(set(x)) > 1)
     s = calibration["sampler"]
-    c["DIT_PER_TOKEN"], c["DIT_FIXED"] = _lstsq(
-        [p["tokens"] for p in s], [p["bytes"] / (p["batch"] * _hidden("sampler", p) * _item(p)) for p in s], True)
+    c["DIT_PER_TOKEN"], c["DIT_FIXED"], c["DIT_PER_TOKEN_LARGE"], c["DIT_FIXED_LARGE"] = _two_lines(
+        [p["tokens"] for p in s], [p["bytes"] / (p["batch"] * _hidden("sampler", p) * _item(p)) for p in s])
     for kind, name in (("decode", "VAE_DECODE"), ("vae_encode", "VAE_ENCODE")):
         pts = calibration[kind]
         c[f"{name}_PER_PIXEL"], c[f"{name}_FIXED"] = _lstsq(
@@ -102,8 +141,8 @@ def predict(kind: str, p: Point, c: Mapping[str, float] | None = None) -> float:
         return estimates.text_encode_bytes(p["batch"], p.get("tokens", 512), _hidden(kind, p), _item(p),
                                            c[f"TE_PER_TOKEN_{name}"], c[f"TE_FIXED_{name}"])
     if kind == "sampler":
-        return estimates.sampling_bytes(p["batch"], p["tokens"], _hidden(kind, p), _item(p), c["DIT_PER_TOKEN"],
-                                        c["DIT_FIXED"])
+        return estimates.sampling_bytes(p["batch"], p["tokens"], _hidden(kind, p), _item(p), (
+            c["DIT_PER_TOKEN"], c["DIT_FIXED"], c["DIT_PER_TOKEN_LARGE"], c["DIT_FIXED_LARGE"]))
     if kind in ("decode", "vae_encode"):
         name = "VAE_DECODE" if kind == "decode" else "VAE_ENCODE"
         return estimates.vae_bytes(_pixels(p), _width(p), _item(p), c[f"{name}_PER_PIXEL"], c[f"{name}_FIXED"])

@@ -18,28 +18,33 @@ from .types import Blocks, CondInfo, LatentInfo, ModelInfo, Variant
 GiB = 2**30
 MARGIN = 1.04
 
-# Fitted by `nodes.calibration.fit` on the H200 measurements in bench/results/calibrate.json (bf16, SDPA,
-# klein-4B shapes, 256² to 2048²; measured by bench/calibrate.py, first by bench/plan_matrix.py --calibrate) and
-# rounded to 4 significant digits; each point is predicted within 1 %. tests/test_calibration.py refits them from
-# that file and checks both. The formulas (`*_bytes` below) take shapes, the compute dtype's item size and the
-# widths as parameters: fp32, fp8-stored weights (computed in bf16: item size 2) and a narrower decoder are sized
-# by them, but only bf16 at klein-4B widths is calibrated so far.
-# Transformer, one sampling step, per image in the batch: (DIT_PER_TOKEN * tokens + DIT_FIXED) * hidden * itemsize
-DIT_PER_TOKEN = 21.17
-DIT_FIXED = 1431.0
-# Qwen3 encoder, per compute dtype: a fixed part plus bytes per (batch * token * hidden * itemsize), 512 tokens.
-# Fitted on bench/results/calibrate-rerun.json (bf16 and fp32, batch 1 and 2): the per-token form alone was up to 43 %
-# off there (a fixed ~66 MiB in bf16 that the first run's single point could not show). bf16's constants serve every
-# 2-byte compute (fp16, fp8-stored weights).
-TE_FIXED_BF16, TE_PER_TOKEN_BF16 = 6.868e7, 4.103
+# Fitted by `nodes.calibration.fit` on the H200 measurements in bench/results/calibrate.json (bf16 and fp32, SDPA,
+# klein-4B shapes, 256² to 2048²; measured by bench/calibrate.py after a first, unmeasured encode) and rounded to 4
+# significant digits; each point is predicted within 2 % (the sampler) and 1.5 % (the rest); tests/test_calibration.py
+# refits them from that file and checks both. The formulas (`*_bytes` below) take shapes, the compute dtype's item
+# size and the widths as parameters: fp32, fp8-stored weights (computed in bf16: item size 2) and a narrower decoder
+# are sized by them, but only bf16 and fp32 at klein-4B widths are calibrated so far.
+# Transformer, one sampling step, per image in the batch: the larger of two lines in the tokens, times hidden *
+# itemsize: DIT_PER_TOKEN * tokens + DIT_FIXED and DIT_PER_TOKEN_LARGE * tokens + DIT_FIXED_LARGE, which cross at
+# about 2,200 tokens. The peak moves: from 1024² on, torch's allocator history puts it in a double block's image-stream
+# MLP (bench/results/sampler_gap.json), which grows with the image tokens alone. One line fitted over all sizes (the
+# fit in use before 2026-12-02, on points measured before later changes to models/flux2.py) was 7-8 % under the
+# sampler's measured peak at 1536² and 2048² (bench/results/oom_matrix.json of commit 6175349).
+DIT_PER_TOKEN, DIT_FIXED = 20.13, 1471.0
+DIT_PER_TOKEN_LARGE, DIT_FIXED_LARGE = 23.14, -5174.0
+# Qwen3 encoder, per compute dtype: a fixed part plus bytes per (batch * token * hidden * itemsize), 512 tokens; bf16's
+# constants serve every 2-byte compute (fp16, fp8-stored weights). The fixed part is small once torch's cuBLAS
+# workspace is counted outside the nodes (graph/budget.blas_workspace): measured inside the first encode, it had made a
+# fixed 66 MiB of bf16's fit (bench/results/calibrate-rerun.json) and the estimate twice the encode's later peaks.
+TE_FIXED_BF16, TE_PER_TOKEN_BF16 = 1.573e6, 16.9
 TE_FIXED_FP32, TE_PER_TOKEN_FP32 = 7.078e6, 15.85
 # VAE: bytes per (pixel * width * itemsize) plus a fixed part, width the full-resolution level's channels (decoder's
 # for decode, encoder's for encode); decode per output pixel, encode per input pixel
-VAE_DECODE_PER_PIXEL, VAE_DECODE_FIXED = 9.512, 1.531e6
-VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.069, 7.161e5
+VAE_DECODE_PER_PIXEL, VAE_DECODE_FIXED = 9.514, 3.394e6
+VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.038, 2.5e6
 # Tiled decode: tiles of TILE latent cells with TILE_OVERLAP cells on each side; the fp32 canvas and its
 # blend weights cost TILED_CANVAS bytes per output pixel
-TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 17.08
+TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 16.15
 
 # Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes.
 DIT_SECONDS_PER_TOKEN_STEP = 0.083 / 4608  # one step at 1024² (4096 image + 512 text tokens)
@@ -94,10 +99,12 @@ def text_encode_bytes(batch: int, tokens: int, hidden: int, item: int, per_token
     return fixed + batch * tokens * hidden * item * per_token
 
 
-def sampling_bytes(batch: int, tokens: int, hidden: int, item: int, per_token: float = DIT_PER_TOKEN,
-                   fixed: float = DIT_FIXED) -> float:
-    """One sampling step of `batch` images (cond and uncond count twice) over `tokens` tokens each."""
-    return batch * (per_token * tokens + fixed) * hidden * item
+def sampling_bytes(batch: int, tokens: int, hidden: int, item: int,
+                   lines: tuple[float, float, float, float] | None = None) -> float:
+    """One sampling step of `batch` images (cond and uncond count twice) over `tokens` tokens each; `lines`: (per
+    token, fixed, per token large, fixed large), default the constants above."""
+    a, b, c, d = lines or (DIT_PER_TOKEN, DIT_FIXED, DIT_PER_TOKEN_LARGE, DIT_FIXED_LARGE)
+    return batch * max(a * tokens + b, c * tokens + d) * hidden * item
 
 
 def vae_bytes(pixels: int, width: int, item: int, per_pixel: float, fixed: float) -> float:

@@ -1,9 +1,9 @@
 """The activation estimates have provenance: the constants in nodes/estimates.py are the least-squares fit of the
-measured peaks in bench/results/calibrate.json (written by bench/calibrate.py on the H200), the text encode's from
-bench/results/calibrate-rerun.json (both dtypes, two batch sizes: a fixed part and a per-token term), rounded to 4
-significant digits, and the estimates' own formulas predict every measured point within 1 %; with the planner's
-MARGIN no estimate is below a measurement. Rerunning bench/calibrate.py and committing its report makes this test
-say which constants to change."""
+measured peaks in bench/results/calibrate.json (written by bench/calibrate.py on the H200: both compute dtypes, the
+text encode at two batch sizes after a first, unmeasured encode), rounded to 4 significant digits, and the estimates'
+own formulas predict every measured point within 2 % (the sampler) or 1.5 % (the rest); with the planner's MARGIN no
+estimate is below a measurement. Rerunning bench/calibrate.py and committing its report makes this test say which
+constants to change."""
 
 from __future__ import annotations
 
@@ -16,33 +16,45 @@ from vramgraph.nodes import calibration, estimates
 from vramgraph.nodes.types import LatentInfo, ModelInfo
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
-DATA, RERUN = RESULTS / "calibrate.json", RESULTS / "calibrate-rerun.json"
-WITHIN = 0.01  # each point's prediction / measurement - 1, both ways
+DATA, FIRST_ENCODE = RESULTS / "calibrate.json", RESULTS / "calibrate-rerun.json"
+WITHIN = {"sampler": 0.02}  # each point's prediction / measurement - 1, both ways, by kind
+WITHIN_REST = 0.015
+MiB = 2**20
 
 
 @pytest.fixture(scope="module")
 def points() -> dict:
-    """The calibration the constants are fitted on: the first run's, with the rerun's text encode points."""
-    first = json.loads(DATA.read_text())["calibration"]
-    return {**first, "text_encode": json.loads(RERUN.read_text())["calibration"]["text_encode"]}
+    return json.loads(DATA.read_text())["calibration"]
 
 
-def test_the_text_encode_fit_has_a_fixed_part_per_dtype_and_covers_both_runs(points: dict) -> None:
-    """The rerun's four text encode points (bf16 and fp32, batch 1 and 2) are each predicted within 1 % by a fixed part
-    plus a per-token term per dtype (the per-token term alone missed the bf16 batch-1 point by 43 %), and the first
-    run's bf16 point (lower, the same shape) stays under its estimate; the other kinds' constants in use keep every
-    rerun point under its estimate too (within 2.5 %), so they stay the first run's fit."""
-    rerun = json.loads(RERUN.read_text())["calibration"]
+def test_the_text_encode_is_linear_in_its_prompts_once_the_blas_workspace_is_outside_it(points: dict) -> None:
+    """Four points (bf16 and fp32, batch 1 and 2), each predicted within 1 %, with fixed parts of a few MiB. The run
+    before it measured the process's first encode too (calibrate-rerun.json): its bf16 batch-1 point was 32-40 MiB
+    higher (torch's cuBLAS workspace, 32 MiB, allocated by the first matrix product) and gave a fixed part of 66 MiB."""
     shapes = {(p["dtype"], p["batch"]) for p in points["text_encode"]}
     assert shapes == {(d, b) for d in ("bf16", "fp32") for b in (1, 2)}
     for p in points["text_encode"]:
-        assert calibration.predict("text_encode", p) / p["bytes"] - 1 == pytest.approx(0, abs=WITHIN), p
-    first = json.loads(DATA.read_text())["calibration"]["text_encode"]
-    for kind, p, err in calibration.errors({**rerun, "text_encode": first}):
-        assert calibration.predict(kind, p) * estimates.MARGIN >= p["bytes"], (kind, p)
-        assert kind == "text_encode" or abs(err) <= 0.025, (kind, p, err)
-    single = calibration.fit({**points, "text_encode": first})  # one size: no fixed part can be told apart
-    assert single["TE_FIXED_BF16"] == 0 and "TE_FIXED_FP32" not in single
+        assert calibration.predict("text_encode", p) / p["bytes"] - 1 == pytest.approx(0, abs=0.01), p
+    assert 0 <= estimates.TE_FIXED_BF16 < 8 * MiB and 0 <= estimates.TE_FIXED_FP32 < 8 * MiB
+    earlier = json.loads(FIRST_ENCODE.read_text())["calibration"]["text_encode"]
+    first = {(p["dtype"], p["batch"]): p["bytes"] for p in earlier}
+    now = {(p["dtype"], p["batch"]): p["bytes"] for p in points["text_encode"]}
+    assert 32 * MiB <= first[("bf16", 1)] - now[("bf16", 1)] <= 40 * MiB
+    assert abs(first[("bf16", 2)] - now[("bf16", 2)]) < MiB  # later encodes: the same peaks in both runs
+
+
+def test_the_sampler_needs_its_two_lines(points: dict) -> None:
+    """Each of the sampler's two lines is the larger one on two token counts at least, and one line alone (the old
+    formula) misses some point by more than 5 %: a plan made with it would be optimistic at 2048²."""
+    s = points["sampler"]
+    a, b, c, d = (estimates.DIT_PER_TOKEN, estimates.DIT_FIXED, estimates.DIT_PER_TOKEN_LARGE,
+                  estimates.DIT_FIXED_LARGE)
+    tokens = sorted({p["tokens"] for p in s})
+    assert len([t for t in tokens if a * t + b > c * t + d]) >= 2
+    assert len([t for t in tokens if a * t + b < c * t + d]) >= 2
+    y = [p["bytes"] / (p["batch"] * p["hidden"] * (2 if p["dtype"] == "bf16" else 4)) for p in s]
+    k, f = calibration._lstsq([p["tokens"] for p in s], y, True)
+    assert max(abs((k * p["tokens"] + f) / yi - 1) for p, yi in zip(s, y, strict=True)) > 0.05
 
 
 def test_the_constants_in_use_are_the_fit_of_the_calibration_data(points: dict) -> None:
@@ -53,11 +65,11 @@ def test_the_constants_in_use_are_the_fit_of_the_calibration_data(points: dict) 
     assert rounded == calibration.in_use(), {k: (v, calibration.in_use()[k]) for k, v in rounded.items()}
 
 
-def test_every_calibration_point_is_predicted_within_one_percent_and_never_above_its_estimate(points: dict) -> None:
+def test_every_calibration_point_is_predicted_closely_and_never_above_its_estimate(points: dict) -> None:
     errs = calibration.errors(points)
     assert len(errs) == sum(len(points[k]) for k in calibration.KINDS) >= 20
-    worst = max(errs, key=lambda e: abs(e[2]))
-    assert abs(worst[2]) <= WITHIN, worst
+    for kind, p, err in errs:
+        assert abs(err) <= WITHIN.get(kind, WITHIN_REST), (kind, p, err)
     for kind, p, _ in errs:
         assert calibration.predict(kind, p) * estimates.MARGIN >= p["bytes"], (kind, p)
 
@@ -65,8 +77,8 @@ def test_every_calibration_point_is_predicted_within_one_percent_and_never_above
 def test_the_fit_is_the_formula_the_planner_uses(points: dict) -> None:
     """A decode point predicted by the fit's formula is what vae_decode estimates for that latent (before MARGIN),
     and the formula scales with the compute dtype's item size (fp32 twice bf16; fp8-stored weights as bf16)."""
-    p = next(p for p in points["decode"] if p["side"] == 1024)
-    side = p["side"] // 16
+    p = next(p for p in points["decode"] if p["height"] == p["width"] == 1024 and p["batch"] == 1)
+    side = p["height"] // 16
     for dtype, item in (("bf16", 2), ("fp32", 4), ("f8_e4m3", 2)):
         vae = ModelInfo("vae:x", "vae", "vae", 0, VAEConfig(), dtype=dtype)
         gpu = estimates.vae_decode(vae, LatentInfo(1, side, side))[0]
@@ -129,8 +141,8 @@ def test_on_the_gpu_a_node_whose_estimate_is_too_small_is_flagged_in_the_log_and
     with caplog.at_level("WARNING", logger="vramgraph.executor"):
         result, events = _run(tiny_models, input_dir, tmp_path, "cuda", {"VGVAEDecode": Optimistic})
     flagged = [d for k, d in events if k == "vg_estimate_exceeded"]
-    # the decode's 1-byte estimate is flagged; on the H200 the tiny text encode was flagged too (a real miss: 33 MiB
-    # against 1 MiB, fixed costs the per-token formula does not hold at tiny shapes; bench/results/calibrate-rerun.json)
+    # the decode's 1-byte estimate is flagged (on the H200 the tiny text encode once was too: 33 MiB against 1 MiB,
+    # the cuBLAS workspace its first matrix product allocated, now made before the budget: graph/budget.blas_workspace)
     decode = [d for d in flagged if d["node"] == "7"]
     assert len(decode) == 1 and decode[0]["measured_bytes"] > 1 == decode[0]["predicted_bytes"]
     assert "above its estimate" in caplog.text and result.images

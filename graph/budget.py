@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,15 +90,18 @@ def card_budget(card: int, context: int, reserve: int = DEFAULT_RESERVE) -> int:
     return card - context - CARD_MARGIN - reserve
 
 
-_WORKSPACE: dict[int, int] = {}
+_WORKSPACE: dict[tuple[int, int], int] = {}  # (device index, thread) -> bytes
 
 
 def blas_workspace(index: int) -> int:
-    """The bytes of the cuBLAS workspace torch allocates on a device's first matrix product and keeps for the rest of
-    the process (through its caching allocator, so the node that made that first product would measure it in its peak:
-    bench/results/calibrate.json's first text encode peaked 34 MiB above the same encode later in oom_matrix.json).
-    Made here, once per device, so that a budget counts it outside the plan rather than in a node."""
-    if index not in _WORKSPACE:
+    """The bytes of the cuBLAS workspace torch allocates on a thread's first matrix product on a device and keeps for
+    the rest of the process (through its caching allocator, so the node that made that first product would measure it
+    in its peak: bench/results/calibrate.json's first text encode peaked 34 MiB above the same encode later in
+    oom_matrix.json). Torch keeps one cuBLAS handle, and so one workspace, per thread. Made here, once per device and
+    thread, so that a budget counts it outside the plan rather than in a node (`Engine.run` counts a prompt thread's
+    own: graph/executor.py)."""
+    key = (index, threading.get_ident())
+    if key not in _WORKSPACE:
         import torch
 
         with torch.cuda.device(index):
@@ -106,8 +110,12 @@ def blas_workspace(index: int) -> int:
             (a @ a).float().sum().item()  # a bf16 and an fp32 product: cuBLAS and cuBLASLt
             (a.float() @ a.float()).sum().item()
             del a
-            _WORKSPACE[index] = max(0, torch.cuda.memory_allocated(index) - before)
-    return _WORKSPACE[index]
+            _WORKSPACE[key] = max(0, torch.cuda.memory_allocated(index) - before)
+    return _WORKSPACE[key]
+
+
+def has_blas_workspace(index: int) -> bool:
+    return (index, threading.get_ident()) in _WORKSPACE
 
 
 def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | None = None,

@@ -39,6 +39,7 @@ from ..nodes.catalog import ModelCatalog
 from ..nodes.files import Folders
 from ..nodes.types import ModelInfo, Variant, is_link
 from ..nodes.values import ModelHandle
+from . import budget as budget_mod
 from . import estimate, planner, queue
 from .budget import DeviceMemory, Probe, budget_for, cuda_probe, live, short_plan_error, shortage
 from .costs import cost_for
@@ -375,6 +376,17 @@ class Engine:
                        start=planner.Residency(self.ledger.on_gpu, self.ledger.pinned), resident=resident)
 
     # -- running
+    def _blas_workspace(self) -> None:
+        """This thread's cuBLAS workspace, made before the prompt rather than inside its first node. Torch keeps one per
+        thread: the budget counted the one of the thread that made it; the server runs prompts on its worker thread,
+        whose own workspace comes out of the budget here, once."""
+        if self.device.type != "cuda":
+            return
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        if not budget_mod.has_blas_workspace(index):
+            extra = budget_mod.blas_workspace(index)
+            self.budget = dataclasses.replace(self.budget, gpu=max(0, self.budget.gpu - extra))
+
     def run(self, prompt: dict | Prepared, *, extra_pnginfo: dict | None = None, prompt_id: str | None = None,
             events: Events = _quiet, cancel: Cancel | None = None, exchange: Any = None) -> RunResult:
         """Run `prompt` (or a prepared one); `cancel` may take outputs out of it while it runs (see Cancel).
@@ -383,6 +395,7 @@ class Engine:
         with self._lock:
             self._exchange = exchange
             self._interrupt.clear()
+            self._blas_workspace()
             prep = prompt if isinstance(prompt, Prepared) else self.prepare(prompt)
             pid = self._pid = prompt_id or uuid.uuid4().hex
             result = RunResult(pid, prep.plan, cached=prep.cached)

@@ -148,3 +148,34 @@ def test_on_the_gpu_a_node_whose_estimate_is_too_small_is_flagged_in_the_log_and
     assert "above its estimate" in caplog.text and result.images
     order = [(k, d.get("node")) for k, d in events]
     assert order.index(("vg_estimate_exceeded", "7")) < order.index(("executed", "7"))  # told while node 7 is current
+
+
+@pytest.mark.gpu
+def test_a_prompt_thread_makes_its_own_blas_workspace_before_its_nodes(tiny_models: Path, input_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    """Torch keeps one cuBLAS workspace per thread (32 MiB on the H200): a prompt run on another thread than the one
+    that made the budget (the server's worker) makes its own before planning and takes it out of the budget, so that
+    no node measures it (the server's first text encode had measured 0.072 GiB against an estimate of 0.044)."""
+    import threading
+
+    from vramgraph.graph import budget as budget_mod
+    from vramgraph.graph.executor import Engine
+    from vramgraph.nodes.files import Folders
+
+    prompt = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json").read_text())
+    prompt["5"]["inputs"].update(width=64, height=64)
+    folders = Folders(models=(tiny_models,), input=input_dir, output=tmp_path / "output", temp=tmp_path / "temp")
+    engine = Engine(folders, device="cuda")
+    before = engine.budget.gpu
+    got: dict = {}
+
+    def worker() -> None:
+        got["result"] = engine.run(prompt)
+        got["workspace"] = budget_mod.blas_workspace(0)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got["workspace"] > 0 and engine.budget.gpu == before - got["workspace"]
+    encode = next(n for n in got["result"].nodes if n.class_type == "VGTextEncode")
+    assert encode.measured_bytes < 4 * MiB < got["workspace"]

@@ -216,7 +216,7 @@ def test_the_plan_off_the_gpu_has_the_budget_of_the_gpu_run(monkeypatch: pytest.
     total, workspace = 140 * GiB, 32 * 2**20
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setitem(budget_mod._WORKSPACE, 0, workspace)  # held by torch, counted with the context
+    monkeypatch.setattr(budget_mod, "blas_workspace", lambda index: workspace)  # held by torch, counted as context
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: workspace)
     context = budget_mod.CONTEXT_ESTIMATE - workspace  # the estimate covers both
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (total - context - workspace, total))
@@ -247,7 +247,7 @@ def test_a_given_context_replaces_the_measured_one(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: 0)
-    monkeypatch.setitem(budget_mod._WORKSPACE, 0, 0)
+    monkeypatch.setattr(budget_mod, "blas_workspace", lambda index: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (total - now, total))
     caps = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, index=None: caps.append(f))

@@ -168,10 +168,10 @@ def test_dense_plan_reads_at_a_glance():
 def test_simple_plan_from_the_cli(tmp_path: Path) -> None:
     """`vramgraph plan` on the shipped text-to-image workflow: title with the workflow, the card and the size."""
     svg = tmp_path / "plan.svg"
-    assert main(["plan", str(ROOT / "workflows" / "text_to_image.json"), "--vram", "9GiB", "--models",
+    assert main(["plan", str(ROOT / "workflows" / "text_to_image.json"), "--vram", "8GiB", "--models",
                  str(tmp_path / "none"), "--svg", str(svg)]) == 0
     root = check_readable(svg.read_text(encoding="utf-8"))
-    assert title(root) == "text_to_image · 9 GiB card · 1024×1024"
+    assert title(root) == "text_to_image · 8 GiB card · 1024×1024"
     assert [lb.split(" · ")[0] for lb in lane_labels(root)] == ["text encoder", "transformer", "vae"]
     assert len(lanes(root)) == 3
     # the transformer does not fit on the card: the encoder leaves, the sampler keeps 11 of its 25 blocks and
@@ -181,7 +181,7 @@ def test_simple_plan_from_the_cli(tmp_path: Path) -> None:
     words = " ".join("".join(t.itertext()) for t in root.iter(f"{NS}text"))
     assert "17.50 GiB streamed" in words
     ticks = ["".join(t.itertext()) for t in root.iter(f"{NS}text") if t.get("class") == "tick"]
-    assert ticks == ["0", "2", "4", "6"]  # the budget: 6.96 GiB of the 9 GiB card
+    assert ticks == ["0", "2", "4", "6"]  # the budget: 7.02 GiB of the 8 GiB card
     assert [t.text for t in root.iter(f"{NS}text") if t.get("class") == "axis"] == ["GPU memory (GiB)"]
 
 

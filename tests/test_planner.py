@@ -614,7 +614,8 @@ def test_graph_edges_without_memory_steps():
 
 
 def test_bad_inputs():
-    """A node without a NodeCost, an unknown model and a cycle are ValueErrors that name the culprit.
+    """A node without a NodeCost, an unknown model and a cycle are ValueErrors that name the culprit; a cycle is named
+    first.
 
         a ──► b ──► a
     """
@@ -625,3 +626,8 @@ def test_bad_inputs():
         plan(dag, {"enc": encode("enc"), "sample": sample("sample")}, {"dit": MODELS["dit"]}, card(12))
     with pytest.raises(ValueError, match="cycle"):
         plan(nx.DiGraph([("a", "b"), ("b", "a")]), {}, MODELS, card(12))
+    ring = nx.DiGraph([("enc", "sample"), ("sample", "enc")])  # every node estimated: pass 1 finds the cycle
+    with pytest.raises(ValueError, match=r"cycle through \['enc', 'sample'\]"):
+        plan(ring, {"enc": encode("enc"), "sample": sample("sample")}, MODELS, card(12))
+    with pytest.raises(ValueError, match="cycle"):  # named before a node that fits no budget
+        plan(ring, {"enc": encode("enc"), "sample": sample("sample")}, MODELS, card(1))

@@ -583,14 +583,14 @@ class _Assigned:
 def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
               options: list[tuple[Variant, float | None]]) -> str:
     """A Run's note: the variant's own, what it streams, and what it was chosen over when it is not the first."""
-    note = v.note
+    parts = [v.note] if v.note else []
     if bp is not None:
-        note = "; ".join(x for x in (note, bp.describe(label)) if x)
+        parts.append(bp.describe(label))
     if v is not first:
-        alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
-                         for a, ta in options if a is not v)
-        note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
-    return note
+        alts = ", ".join([f"{a.name}: does not fit" if ta is None else f"{a.name}: {ta:.3f} s"
+                          for a, ta in options if a is not v])
+        parts.append(f"chosen at {t:.3f} s over {alts}")
+    return "; ".join(parts)
 
 
 class _NextUse:
@@ -618,10 +618,14 @@ class _NextUse:
         last; None when none does."""
         order, n = self.order, len(self.order)
         ahead = self.ahead.get(m)
-        if ahead is None:
+        if ahead is None:  # (meets, spelled out)
             ahead = self.ahead[m] = [n] * (n + 1)
+            prov, alone, room, nxt = self.prov, self.sizes.alone, self.gpu - self.sizes.w(m), n
             for j in range(n - 1, -1, -1):
-                ahead[j] = j if self.meets(m, self.prov[order[j]]) is not None else ahead[j + 1]
+                v = prov[order[j]]
+                if m in v.models or alone(v) > room:
+                    nxt = j
+                ahead[j] = nxt
         j = ahead[i + 1]
         if j < n:
             return self.prov[order[j]], j - i
@@ -654,7 +658,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
     def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
         """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
         got = after.first(m, i, chosen, cur)
-        if got is not None and after.meets(m, got[0]):
+        if got is not None and m in got[0].models:  # (it meets m: uses it, or cannot fit beside it)
             return cm.load_seconds(w[m], m in pinned), got[1]  # m is resident: pinned by now if ever
         return 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
 
@@ -689,17 +693,18 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         """A block-streaming variant: the resident blocks that fit beside the models that stay, and whether evicting
         more models (cheapest first) buys a faster node than their reloads cost."""
         assert v.blocks is not None
-        stay = [m for m in resident if m not in out]
-        more = sorted(((*evict_cost(m, i, v), m) for m in stay if m not in v.models),
-                      key=lambda t: (t[0], -t[1], -w[t[2]]))
-        room = gpu - sum(w[m] for m in stay) - missing  # for the node's own bytes
-        best_bp = sizes.choose(v, room, cm.h2d_pinned)
+        bw = cm.h2d_pinned
+        room = gpu - held + sum(w[m] for m in out) - missing  # for the node's own bytes, beside the models that stay
+        best_bp = sizes.choose(v, room, bw)
         best_t, best_out = (_INF if best_bp is None else best_bp.seconds + reload_s), out
+        more = [(*evict_cost(m, i, v), m) for m in resident if m not in out and m not in v.models]
+        if len(more) > 1:
+            more.sort(key=lambda t: (t[0], -t[1], -w[t[2]]))
         extra_s = 0.0
         for k, (c, _, m) in enumerate(more, 1):
             extra_s += c
             room += w[m]
-            bp = sizes.choose(v, room, cm.h2d_pinned)
+            bp = sizes.choose(v, room, bw)
             if bp is not None and bp.seconds + reload_s + extra_s < best_t:
                 best_t, best_out, best_bp = bp.seconds + reload_s + extra_s, out + [m for _, _, m in more[:k]], bp
         assert best_bp is not None  # the variant's activation is its least need, which evictions made room for
@@ -714,7 +719,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             v = chosen[node] = nc.variants[0]
             rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
             continue
-        best: tuple[float, Variant, list[str], BlockPlan | None] | None = None
+        best: tuple[float, Variant, list[str], BlockPlan | None, float] | None = None
         options: list[tuple[Variant, float | None]] = []
         for v in nc.variants:
             if sizes.alone(v) > gpu or (v.streams and any(m in resident for m in v.streams)):  # streaming a resident
@@ -725,14 +730,15 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                     for u in nc.variants):
                 options.append((v, None))
                 continue
-            missing = [m for m in sizes.unique(v.models) if m not in resident]
+            missing = [m for m in sizes.unique(v.models) if m not in resident] if v.models else []
             need = sum(w[m] for m in missing) if missing else 0
             total = held + need + v.activation
             out, reload_s = ([], 0.0) if total <= gpu else evictions(i, v, total)
-            bp = None
+            bp, read = None, 0.0
             if v.blocks is not None:
                 t, out, bp = streamed(i, v, need, out, reload_s)
-                t += read_first(v)
+                read = read_first(v)
+                t += read
             else:
                 t = cm.run_seconds(v) + reload_s
                 if v.streams:  # (an empty sum adds 0: skipping it leaves t as it is)
@@ -741,10 +747,9 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 t += sum(cm.load_seconds(w[m], m in pinned) for m in missing)
             options.append((v, t))
             if best is None or t < best[0]:
-                best = (t, v, out, bp)
+                best = (t, v, out, bp, read)
         assert best is not None  # feasibility was checked up front
-        t, v, out, bp = best
-        read = read_first(v) if bp is not None else 0.0
+        t, v, out, bp, read = best
         chosen[node] = v
         for m in out:
             resident.remove(m)

@@ -686,7 +686,11 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
 
     def read_first(v: Variant) -> float:
         """Reading a streamed model's file into its pinned host copy, the first time."""
-        return sum(cm.load_seconds(w[m], False) for m in v.streams if m not in pinned)
+        secs = 0.0  # (loops rather than generators in this pass: it runs them for every streamed node of a queue)
+        for m in v.streams:
+            if m not in pinned:
+                secs += cm.load_seconds(w[m], False)
+        return secs
 
     def streamed(i: int, v: Variant, missing: int, out: list[str], reload_s: float
                  ) -> tuple[float, list[str], BlockPlan]:
@@ -694,10 +698,15 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         more models (cheapest first) buys a faster node than their reloads cost."""
         assert v.blocks is not None
         bw = cm.h2d_pinned
-        room = gpu - held + sum(w[m] for m in out) - missing  # for the node's own bytes, beside the models that stay
+        room = gpu - held - missing  # for the node's own bytes, beside the models that stay
+        for m in out:
+            room += w[m]
         best_bp = sizes.choose(v, room, bw)
         best_t, best_out = (_INF if best_bp is None else best_bp.seconds + reload_s), out
-        more = [(*evict_cost(m, i, v), m) for m in resident if m not in out and m not in v.models]
+        more = []
+        for m in resident:
+            if m not in out and m not in v.models:
+                more.append((*evict_cost(m, i, v), m))
         if len(more) > 1:
             more.sort(key=lambda t: (t[0], -t[1], -w[t[2]]))
         extra_s = 0.0
@@ -722,16 +731,32 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         best: tuple[float, Variant, list[str], BlockPlan | None, float] | None = None
         options: list[tuple[Variant, float | None]] = []
         for v in nc.variants:
-            if sizes.alone(v) > gpu or (v.streams and any(m in resident for m in v.streams)):  # streaming a resident
-                options.append((v, None))                                                # model would hold it twice
-                continue
-            if v.blocks is not None and any(  # streaming is for a model that cannot stay: not when it can
-                    u.blocks is None and sizes.alone(u) <= gpu and set(v.streams) <= set(u.models) and free(i, u)
-                    for u in nc.variants):
+            if sizes.alone(v) > gpu:
                 options.append((v, None))
                 continue
-            missing = [m for m in sizes.unique(v.models) if m not in resident] if v.models else []
-            need = sum(w[m] for m in missing) if missing else 0
+            if v.streams:
+                for m in v.streams:  # streaming a resident model would hold it twice
+                    if m in resident:
+                        break
+                else:
+                    m = None
+                if m is not None:
+                    options.append((v, None))
+                    continue
+            if v.blocks is not None:  # streaming is for a model that cannot stay: not when it can
+                for u in nc.variants:
+                    if u.blocks is None and sizes.alone(u) <= gpu and set(v.streams) <= set(u.models) and free(i, u):
+                        break
+                else:
+                    u = None
+                if u is not None:
+                    options.append((v, None))
+                    continue
+            missing, need = [], 0
+            for m in sizes.unique(v.models):
+                if m not in resident:
+                    missing.append(m)
+                    need += w[m]
             total = held + need + v.activation
             out, reload_s = ([], 0.0) if total <= gpu else evictions(i, v, total)
             bp, read = None, 0.0

@@ -23,110 +23,131 @@ import heapq
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import networkx as nx
-
 if TYPE_CHECKING:
     from ..nodes.types import Variant
 
 _NONE: frozenset[str] = frozenset()
 
 
-def finish_early(order: Sequence[str], dag: nx.DiGraph, prov: Mapping[str, Variant], weights: Mapping[str, int],
-                 gpu: int, resident: Sequence[str] = ()) -> list[str]:
-    """`order` with each finishing node moved up to the first point where it is ready and free (module docstring).
+class FinishEarly:
+    """The pass for one graph, its nodes' variants and one budget; what does not depend on the order (which nodes
+    finish, how many inputs each waits for, the activations left per set of models) is found once, since the planner
+    runs the pass on more than one order of the same nodes."""
 
-    Each step picks the first node of the order left that is finishing, ready and free, else the first one left.
-    Whether a node is free depends only on its set of models, so nodes are kept by that set: for each set, the ready
-    finishing nodes (earliest first) and the activations of the nodes left, whose largest is what has to fit."""
-    need = {n: frozenset(prov[n].models) for n in order}
-    pos = {n: i for i, n in enumerate(order)}
-    succ: dict[str, list[str]] = {n: [] for n in dag}
-    waiting = dict.fromkeys(order, 0)  # predecessors not yet run
-    topo = len(pos) == len(dag) and all(n in pos for n in dag)  # is `order` a topological order of the graph?
-    for u, v in dag.edges:
-        succ[u].append(v)
-        if v in waiting:
-            waiting[v] += 1
-        topo = topo and pos[u] < pos[v]
-    below: dict[str, frozenset[str]] = {}  # the models the descendants of each node need
-    for n in reversed(order if topo else list(nx.topological_sort(dag))):
-        got: frozenset[str] = frozenset()
-        for s in succ[n]:
-            got = got | need.get(s, _NONE) | below[s]
-        below[n] = got
-    finishing = {n for n in order if below[n] <= need[n]}
-    if not finishing:
-        return list(order)
-    left: dict[frozenset[str], dict[int, int]] = {}  # per set of models: activation -> nodes left with it
-    for n in order:
-        c = left.setdefault(need[n], {})
-        c[prov[n].activation] = c.get(prov[n].activation, 0) + 1
-    top = {k: max(c) for k, c in left.items()}  # the largest activation left per set (absent: none left)
-    ready: dict[frozenset[str], list[int]] = {need[n]: [] for n in finishing}  # per set: positions of ready
-    #                                                                          finishing nodes
-    for n in order:
-        if n in finishing and not waiting[n]:
-            heapq.heappush(ready[need[n]], pos[n])
-    res: list[str] = list(resident)  # least recently used first
-    held = sum(weights[m] for m in res)
-    done: set[str] = set()
-    out: list[str] = []
-    first = 0  # position of the first node left
-    known: dict[frozenset[str], bool] = {}  # free(set), while `res` and `top` stay as they are
+    def __init__(self, topo: Sequence[str], succs: Mapping[str, Sequence[str]], prov: Mapping[str, Variant],
+                 weights: Mapping[str, int], gpu: int, resident: Sequence[str] = ()) -> None:
+        """`topo`: the graph's nodes in a topological order; `succs`: the consumers of each node."""
+        self.succs, self.prov, self.weights, self.gpu, self.resident = succs, prov, weights, gpu, list(resident)
+        sets: dict[tuple[str, ...], tuple[frozenset[str], tuple[str, ...]]] = {}  # one set per models tuple
+        need: dict[str, frozenset[str]] = {}
+        uses: dict[str, tuple[str, ...]] = {}  # each node's models without repeats, in their order
+        for n in topo:
+            models = prov[n].models
+            got = sets.get(models)
+            if got is None:
+                got = sets[models] = (frozenset(models), tuple(dict.fromkeys(models)))
+            need[n], uses[n] = got
+        self.need, self.uses = need, uses
+        below: dict[str, frozenset[str]] = {}  # the models the descendants of each node need
+        reach: dict[str, frozenset[str]] = {}  # ... and the node itself
+        for n in reversed(topo):
+            got = _NONE
+            for s in succs[n]:
+                r = reach[s]
+                if not r <= got:
+                    got = r if not got else got | r
+            below[n] = got
+            reach[n] = need[n] if got <= need[n] else got if need[n] <= got else got | need[n]
+        self.finishing = {n for n in topo if below[n] <= need[n]}
+        self.waiting = dict.fromkeys(topo, 0)  # inputs of each node (before any has run)
+        for n in topo:
+            for s in succs[n]:
+                self.waiting[s] += 1
+        self.left: dict[frozenset[str], dict[int, int]] = {}  # per set of models: activation -> nodes with it
+        for n in topo:
+            c = self.left.setdefault(need[n], {})
+            c[prov[n].activation] = c.get(prov[n].activation, 0) + 1
 
-    def free(key: frozenset[str]) -> bool:
-        got = known.get(key)
-        if got is None:
-            joined = key.union(res)
-            held = sum(weights[m] for m in joined)
-            got = known[key] = all(held + a <= gpu for k, a in top.items() if k <= joined)
-        return got
+    def __call__(self, order: Sequence[str]) -> list[str]:
+        """`order` (the same nodes) with each finishing node moved up to the first point where it is ready and free
+        (module docstring).
 
-    while len(out) < len(order):
-        pick = None
-        for key, heap in ready.items():
-            while heap and order[heap[0]] in done:
-                heapq.heappop(heap)
-            if heap and (pick is None or heap[0] < pos[pick]) and free(key):
-                pick = order[heap[0]]
-        if pick is None:
-            while order[first] in done:
-                first += 1
-            pick = order[first]
-        done.add(pick)
-        out.append(pick)
-        v = prov[pick]
-        key, a = need[pick], v.activation
-        c = left[key]
-        c[a] -= 1
-        if not c[a]:
-            del c[a]
-            if top[key] == a:
-                if c:
-                    top[key] = max(c)
-                else:
-                    del top[key]
-                known.clear()
-        for s in succ[pick]:
-            if s in waiting:
+        Each step picks the first node of the order left that is finishing, ready and free, else the first one left.
+        Whether a node is free depends only on its set of models, so nodes are kept by that set: for each set, the
+        ready finishing nodes (earliest first) and the activations of the nodes left, whose largest is what has to
+        fit."""
+        finishing, need, uses, succs, prov, weights, gpu = (self.finishing, self.need, self.uses, self.succs, self.prov,
+                                                            self.weights, self.gpu)
+        if not finishing:
+            return list(order)
+        pos = {n: i for i, n in enumerate(order)}
+        waiting = dict(self.waiting)  # inputs not yet run
+        left = {k: dict(c) for k, c in self.left.items()}  # per set of models: activation -> nodes left with it
+        top = {k: max(c) for k, c in left.items()}  # the largest activation left per set (absent: none left)
+        ready: dict[frozenset[str], list[int]] = {need[n]: [] for n in finishing}  # per set: positions of ready
+        #                                                                          finishing nodes
+        for n in order:
+            if n in finishing and not waiting[n]:
+                heapq.heappush(ready[need[n]], pos[n])
+        res: list[str] = list(self.resident)  # least recently used first
+        held = sum(weights[m] for m in res)
+        done: set[str] = set()
+        out: list[str] = []
+        first = 0  # position of the first node left
+        known: dict[frozenset[str], bool] = {}  # free(set), while `res` and `top` stay as they are
+
+        def free(key: frozenset[str]) -> bool:
+            got = known.get(key)
+            if got is None:
+                joined = key.union(res)
+                held = sum(weights[m] for m in joined)
+                got = known[key] = all(held + a <= gpu for k, a in top.items() if k <= joined)
+            return got
+
+        while len(out) < len(order):
+            pick = None
+            for key, heap in ready.items():
+                while heap and order[heap[0]] in done:
+                    heapq.heappop(heap)
+                if heap and (pick is None or heap[0] < pos[pick]) and free(key):
+                    pick = order[heap[0]]
+            if pick is None:
+                while order[first] in done:
+                    first += 1
+                pick = order[first]
+            done.add(pick)
+            out.append(pick)
+            v = prov[pick]
+            key, a = need[pick], v.activation
+            c = left[key]
+            c[a] -= 1
+            if not c[a]:
+                del c[a]
+                if top[key] == a:
+                    if c:
+                        top[key] = max(c)
+                    else:
+                        del top[key]
+                    known.clear()
+            for s in succs[pick]:
                 waiting[s] -= 1
                 if not waiting[s] and s in finishing and s not in done:
                     heapq.heappush(ready[need[s]], pos[s])
-        changed = False
-        for m in dict.fromkeys(v.models):
-            if m in res:
-                res.remove(m)
-            else:
-                held += weights[m]
+            changed = False
+            for m in uses[pick]:
+                if m in res:
+                    res.remove(m)
+                else:
+                    held += weights[m]
+                    changed = True
+                res.append(m)
+            while held + v.activation > gpu:
+                victim = next((m for m in res if m not in v.models), None)
+                if victim is None:
+                    break
+                res.remove(victim)
+                held -= weights[victim]
                 changed = True
-            res.append(m)
-        while held + v.activation > gpu:
-            victim = next((m for m in res if m not in v.models), None)
-            if victim is None:
-                break
-            res.remove(victim)
-            held -= weights[victim]
-            changed = True
-        if changed:
-            known.clear()
-    return out
+            if changed:
+                known.clear()
+        return out

@@ -42,7 +42,6 @@ Nothing is ever unloaded unless a node forces it out, and nothing is loaded befo
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import logging
@@ -55,7 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import networkx as nx
 
 from . import residency
-from .early import finish_early
+from .early import FinishEarly
 from .residency import BlockPlan
 
 if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
@@ -423,39 +422,56 @@ def _infeasible(nc: NodeCost, sizes: _Sizes, budget: int) -> PlanError:
     return PlanError(nc.node, nc.class_type, needed, budget, msg, details, extra)
 
 
+def _cycle(dag: nx.DiGraph) -> ValueError | None:
+    """The error for a graph with a cycle, None for one without. Asked only where planning stops, so that a cycle is
+    named before any other fault; a graph that passes the checks is found cyclic by pass 1, which cannot order the
+    nodes of a cycle (a check of its own up front took a twentieth of a 64-prompt plan)."""
+    if nx.is_directed_acyclic_graph(dag):
+        return None
+    cycle = nx.find_cycle(dag)
+    return ValueError(f"the graph has a cycle through {[u for u, _ in cycle]}; break it to plan")
+
+
 def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
               start: Residency) -> list[str]:
-    if not nx.is_directed_acyclic_graph(dag):
-        cycle = nx.find_cycle(dag)
-        raise ValueError(f"the graph has a cycle through {[u for u, _ in cycle]}; break it to plan")
+    def fault(message: str) -> ValueError:
+        return _cycle(dag) or ValueError(message)
+
     nodes = list(dag.nodes)
     for n in nodes:
         nc = costs.get(n)
         if nc is None:
-            raise ValueError(f"node {n!r} has no NodeCost: estimate every node before planning")
+            raise fault(f"node {n!r} has no NodeCost: estimate every node before planning")
         if not nc.variants:
-            raise ValueError(f"node {n!r} ({nc.class_type}) has no variants: give it at least one")
+            raise fault(f"node {n!r} ({nc.class_type}) has no variants: give it at least one")
         for v in nc.variants:
             for m in v.models:
                 if m not in models:
-                    raise ValueError(f"node {n!r} ({nc.class_type}) variant {v.name!r} needs model {m!r}, "
-                                     "which is missing from `models`")
+                    raise fault(f"node {n!r} ({nc.class_type}) variant {v.name!r} needs model {m!r}, "
+                                "which is missing from `models`")
     for m in start.gpu:
         if m not in models:
-            raise ValueError(f"model {m!r} is resident at the start but missing from `models`: describe every "
-                             "resident model so that its bytes are counted")
+            raise fault(f"model {m!r} is resident at the start but missing from `models`: describe every "
+                        "resident model so that its bytes are counted")
     return nodes
 
 
-def _order(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, gpu: int,
-           prov: Mapping[str, Variant], start: Residency, host_limit: int) -> tuple[list[str], int]:
-    """Pass 1: the run order (see the module docstring) and the peak of host bytes held by live outputs."""
-    pos = {n: i for i, n in enumerate(nodes)}
+def _edges(dag: nx.DiGraph, nodes: list[str]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Each node's producers and consumers, read once for all the passes (networkx's per-node views cost more than
+    the rest of a pass)."""
     preds: dict[str, list[str]] = {n: [] for n in nodes}
     succs: dict[str, list[str]] = {n: [] for n in nodes}
-    for u, v in dag.edges:  # (one pass over the edges: networkx's per-node views cost more than the rest of the pass)
+    for u, v in dag.edges:
         succs[u].append(v)
         preds[v].append(u)
+    return preds, succs
+
+
+def _order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[str, list[str]],
+           costs: Mapping[str, NodeCost], sizes: _Sizes, gpu: int, prov: Mapping[str, Variant], start: Residency,
+           host_limit: int) -> tuple[list[str], int]:
+    """Pass 1: the run order (see the module docstring) and the peak of host bytes held by live outputs."""
+    pos = {n: i for i, n in enumerate(nodes)}
     indeg = {n: len(preds[n]) for n in nodes}
     left = {n: len(succs[n]) for n in nodes}  # consumers not yet run
     hb = {n: costs[n].host_bytes for n in nodes}
@@ -557,6 +573,7 @@ class _Assigned:
     end: Residency
     loads: Counter[str]
     unloaded: set[str]  # models an Unload step frees
+    moved: int  # bytes copied host->GPU, as Plan.bytes_moved + Plan.streamed_bytes count them
 
     def steps(self) -> tuple[PlannedStep, ...]:
         return tuple(PlannedStep(kind(*args), gpu, res, secs, note if isinstance(note, str) else _run_note(*note),
@@ -566,14 +583,14 @@ class _Assigned:
 def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
               options: list[tuple[Variant, float | None]]) -> str:
     """A Run's note: the variant's own, what it streams, and what it was chosen over when it is not the first."""
-    note = v.note
+    parts = [v.note] if v.note else []
     if bp is not None:
-        note = "; ".join(x for x in (note, bp.describe(label)) if x)
+        parts.append(bp.describe(label))
     if v is not first:
-        alts = ", ".join(f"{a.name}: " + ("does not fit" if ta is None else f"{ta:.3f} s")
-                         for a, ta in options if a is not v)
-        note = "; ".join(x for x in (note, f"chosen at {t:.3f} s over {alts}") if x)
-    return note
+        alts = ", ".join([f"{a.name}: does not fit" if ta is None else f"{a.name}: {ta:.3f} s"
+                          for a, ta in options if a is not v])
+        parts.append(f"chosen at {t:.3f} s over {alts}")
+    return "; ".join(parts)
 
 
 class _NextUse:
@@ -601,10 +618,14 @@ class _NextUse:
         last; None when none does."""
         order, n = self.order, len(self.order)
         ahead = self.ahead.get(m)
-        if ahead is None:
+        if ahead is None:  # (meets, spelled out)
             ahead = self.ahead[m] = [n] * (n + 1)
+            prov, alone, room, nxt = self.prov, self.sizes.alone, self.gpu - self.sizes.w(m), n
             for j in range(n - 1, -1, -1):
-                ahead[j] = j if self.meets(m, self.prov[order[j]]) is not None else ahead[j + 1]
+                v = prov[order[j]]
+                if m in v.models or alone(v) > room:
+                    nxt = j
+                ahead[j] = nxt
         j = ahead[i + 1]
         if j < n:
             return self.prov[order[j]], j - i
@@ -623,68 +644,82 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool) -> _Assigned:
     """Pass 3: residency and variants along a fixed order (see the module docstring)."""
     gpu = budget.gpu
+    w = {k: m.nbytes for k, m in sizes.models.items()}
     resident: list[str] = sorted(start.gpu)
     pinned: set[str] = set(start.pinned)
     chosen: dict[str, Variant] = {}
     rows: list[tuple] = []
     loads: Counter[str] = Counter()
     unloaded: set[str] = set()
+    moved = 0
 
     after = _NextUse(order, prov, sizes, gpu, repeat)
 
     def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
         """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
         got = after.first(m, i, chosen, cur)
-        if got is not None and after.meets(m, got[0]):
-            return cm.load_seconds(sizes.w(m), m in pinned), got[1]  # m is resident: pinned by now if ever
+        if got is not None and m in got[0].models:  # (it meets m: uses it, or cannot fit beside it)
+            return cm.load_seconds(w[m], m in pinned), got[1]  # m is resident: pinned by now if ever
         return 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
 
-    def evictions(i: int, v: Variant, missing: list[str] | None = None) -> tuple[list[str], float]:
-        if missing is None:
-            missing = [m for m in sizes.unique(v.models) if m not in resident]
-        total = held + (sum(sizes.w(m) for m in missing) if missing else 0) + v.activation
-        if total <= gpu:
-            return [], 0.0
+    def evictions(i: int, v: Variant, total: int) -> tuple[list[str], float]:
+        """The models to unload before v runs at position i (`total`: the GPU bytes it needs with all resident), and
+        the reload seconds that costs."""
         keyed = sorted(((*evict_cost(m, i, v), m) for m in resident if m not in v.models),
-                       key=lambda t: (t[0], -t[1], -sizes.w(t[2])))
+                       key=lambda t: (t[0], -t[1], -w[t[2]]))
         out: list[tuple[float, float, str]] = []
         for t in keyed:
             if total <= gpu:
                 break
             out.append(t)
-            total -= sizes.w(t[2])
+            total -= w[t[2]]
         for t in reversed(out[:]):  # keep back any evicted model that still fits, most costly first
-            if total + sizes.w(t[2]) <= gpu:
+            if total + w[t[2]] <= gpu:
                 out.remove(t)
-                total += sizes.w(t[2])
+                total += w[t[2]]
         return [m for _, _, m in out], sum(c for c, _, _ in out)
+
+    def free(i: int, u: Variant) -> bool:
+        """Whether u can run at position i without pushing out a model that would have to come back."""
+        total = held + sum(w[m] for m in sizes.unique(u.models) if m not in resident) + u.activation
+        return total <= gpu or evictions(i, u, total)[1] == 0
 
     def read_first(v: Variant) -> float:
         """Reading a streamed model's file into its pinned host copy, the first time."""
-        return sum(cm.load_seconds(sizes.w(m), False) for m in v.streams if m not in pinned)
+        secs = 0.0  # (loops rather than generators in this pass: it runs them for every streamed node of a queue)
+        for m in v.streams:
+            if m not in pinned:
+                secs += cm.load_seconds(w[m], False)
+        return secs
 
-    def streamed(i: int, v: Variant, out: list[str], reload_s: float) -> tuple[float, list[str], BlockPlan]:
+    def streamed(i: int, v: Variant, missing: int, out: list[str], reload_s: float
+                 ) -> tuple[float, list[str], BlockPlan]:
         """A block-streaming variant: the resident blocks that fit beside the models that stay, and whether evicting
         more models (cheapest first) buys a faster node than their reloads cost."""
         assert v.blocks is not None
-        missing = sum(sizes.w(m) for m in sizes.unique(v.models) if m not in resident) if v.models else 0
-        stay = [m for m in resident if m not in out]
-        more = sorted(((*evict_cost(m, i, v), m) for m in stay if m not in v.models),
-                      key=lambda t: (t[0], -t[1], -sizes.w(t[2])))
-        best_t, best_out, best_bp = _INF, out, None
+        bw = cm.h2d_pinned
+        room = gpu - held - missing  # for the node's own bytes, beside the models that stay
+        for m in out:
+            room += w[m]
+        best_bp = sizes.choose(v, room, bw)
+        best_t, best_out = (_INF if best_bp is None else best_bp.seconds + reload_s), out
+        more = []
+        for m in resident:
+            if m not in out and m not in v.models:
+                more.append((*evict_cost(m, i, v), m))
+        if len(more) > 1:
+            more.sort(key=lambda t: (t[0], -t[1], -w[t[2]]))
         extra_s = 0.0
-        for k in range(len(more) + 1):
-            if k:
-                extra_s += more[k - 1][0]
-            gone = out + [m for _, _, m in more[:k]]
-            room = gpu - sum(sizes.w(m) for m in resident if m not in gone) - missing  # for the node's own bytes
-            bp = sizes.choose(v, room, cm.h2d_pinned)
+        for k, (c, _, m) in enumerate(more, 1):
+            extra_s += c
+            room += w[m]
+            bp = sizes.choose(v, room, bw)
             if bp is not None and bp.seconds + reload_s + extra_s < best_t:
-                best_t, best_out, best_bp = bp.seconds + reload_s + extra_s, gone, bp
+                best_t, best_out, best_bp = bp.seconds + reload_s + extra_s, out + [m for _, _, m in more[:k]], bp
         assert best_bp is not None  # the variant's activation is its least need, which evictions made room for
         return best_t, best_out, best_bp
 
-    held = sum(sizes.w(m) for m in resident)  # bytes of the resident weights
+    held = sum(w[m] for m in resident)  # bytes of the resident weights
     now = tuple(resident)
     for i, node in enumerate(order):
         nc = costs[node]
@@ -693,39 +728,57 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             v = chosen[node] = nc.variants[0]
             rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
             continue
-        best: tuple[float, Variant, list[str], BlockPlan | None] | None = None
+        best: tuple[float, Variant, list[str], BlockPlan | None, float] | None = None
         options: list[tuple[Variant, float | None]] = []
         for v in nc.variants:
-            if sizes.alone(v) > gpu or (v.streams and any(m in resident for m in v.streams)):  # streaming a resident
-                options.append((v, None))                                                # model would hold it twice
-                continue
-            if v.blocks is not None and any(  # streaming is for a model that cannot stay: not when it can
-                    u.blocks is None and sizes.alone(u) <= gpu and set(v.streams) <= set(u.models)
-                    and evictions(i, u)[1] == 0 for u in nc.variants):
+            if sizes.alone(v) > gpu:
                 options.append((v, None))
                 continue
-            missing = [m for m in sizes.unique(v.models) if m not in resident]
-            out, reload_s = evictions(i, v, missing)
-            bp = None
+            if v.streams:
+                for m in v.streams:  # streaming a resident model would hold it twice
+                    if m in resident:
+                        break
+                else:
+                    m = None
+                if m is not None:
+                    options.append((v, None))
+                    continue
+            if v.blocks is not None:  # streaming is for a model that cannot stay: not when it can
+                for u in nc.variants:
+                    if u.blocks is None and sizes.alone(u) <= gpu and set(v.streams) <= set(u.models) and free(i, u):
+                        break
+                else:
+                    u = None
+                if u is not None:
+                    options.append((v, None))
+                    continue
+            missing, need = [], 0
+            for m in sizes.unique(v.models):
+                if m not in resident:
+                    missing.append(m)
+                    need += w[m]
+            total = held + need + v.activation
+            out, reload_s = ([], 0.0) if total <= gpu else evictions(i, v, total)
+            bp, read = None, 0.0
             if v.blocks is not None:
-                t, out, bp = streamed(i, v, out, reload_s)
-                t += read_first(v)
+                t, out, bp = streamed(i, v, need, out, reload_s)
+                read = read_first(v)
+                t += read
             else:
                 t = cm.run_seconds(v) + reload_s
                 if v.streams:  # (an empty sum adds 0: skipping it leaves t as it is)
-                    t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in v.streams)
+                    t += sum(cm.load_seconds(w[m], m in pinned) for m in v.streams)
             if missing:
-                t += sum(cm.load_seconds(sizes.w(m), m in pinned) for m in missing)
+                t += sum(cm.load_seconds(w[m], m in pinned) for m in missing)
             options.append((v, t))
             if best is None or t < best[0]:
-                best = (t, v, out, bp)
+                best = (t, v, out, bp, read)
         assert best is not None  # feasibility was checked up front
-        t, v, out, bp = best
-        read = read_first(v) if bp is not None else 0.0
+        t, v, out, bp, read = best
         chosen[node] = v
         for m in out:
             resident.remove(m)
-            held -= sizes.w(m)
+            held -= w[m]
             now = tuple(resident)
             unloaded.add(m)
             rows.append((Unload, (m, "pinned" if m in pinned else "drop"), held, now, 0.0,
@@ -735,13 +788,14 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 continue
             src = "pinned" if m in pinned else "file"
             pin = src == "file" and m in pins
-            secs = cm.load_seconds(sizes.w(m), src == "pinned")
+            secs = cm.load_seconds(w[m], src == "pinned")
             if pin:
                 pinned.add(m)
             resident.append(m)
-            held += sizes.w(m)
+            held += w[m]
             now = tuple(resident)
             loads[m] += 1
+            moved += w[m]
             why = f"for {node}" + (", pinned while loading" if pin else "")
             rows.append((Load, (m, src, pin), held, now, secs, why, (), None))
         for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
@@ -750,14 +804,17 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         note: str | tuple = v.note
         if bp is not None or v is not nc.variants[0]:  # written out only for the steps of the plan returned
             note = (v, nc.variants[0], bp, sizes.models[bp.model].name if bp is not None else "", t, options)
-        own = bp.gpu_bytes if bp is not None else v.activation
+        own = v.activation
+        if bp is not None:
+            own = bp.gpu_bytes
+            moved += bp.total_streamed + bp.resident_bytes
         rows.append((Run, (node, v.name), held + own, now, bp.seconds + read if bp is not None else cm.run_seconds(v),
                      note, tuple(v.streams), bp))
-    return _Assigned(rows, chosen, Residency(frozenset(resident), frozenset(pinned)), loads, unloaded)
+    return _Assigned(rows, chosen, Residency(frozenset(resident), frozenset(pinned)), loads, unloaded, moved)
 
 
-def _grouped(order: list[str], dag: nx.DiGraph, costs: Mapping[str, NodeCost], prov: Mapping[str, Variant]
-             ) -> list[str]:
+def _grouped(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[str, list[str]],
+             costs: Mapping[str, NodeCost], prov: Mapping[str, Variant]) -> list[str]:
     """`order` regrouped stage by stage: a topological order that runs next, among the ready nodes, one that needs no
     GPU (a save), else one of the class that came first in `order`, the earliest first: a queue's encodes, then its
     references, samples and decodes, each for every prompt."""
@@ -770,41 +827,35 @@ def _grouped(order: list[str], dag: nx.DiGraph, costs: Mapping[str, NodeCost], p
         v = prov[n]
         return -1 if not (v.models or v.streams or v.activation) else rank[costs[n].class_type], pos[n], n
 
-    indeg = {n: dag.in_degree(n) for n in order}
+    indeg = {n: len(preds[n]) for n in order}
     ready = [key(n) for n in order if not indeg[n]]
     heapq.heapify(ready)
     out: list[str] = []
     while ready:
         n = heapq.heappop(ready)[2]
         out.append(n)
-        for s in dag.succ[n]:
+        for s in succs[n]:
             indeg[s] -= 1
             if not indeg[s]:
                 heapq.heappush(ready, key(s))
     return out
 
 
-def _host_peak(order: list[str], dag: nx.DiGraph, costs: Mapping[str, NodeCost]) -> int:
+def _host_peak(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[str, list[str]],
+               costs: Mapping[str, NodeCost]) -> int:
     """The most host RAM that live node outputs hold along `order` (an output lives until its last consumer ran)."""
-    left = {n: dag.out_degree(n) for n in order}
+    left = {n: len(succs[n]) for n in order}
     live = peak = 0
     for n in order:
         live += costs[n].host_bytes
         peak = max(peak, live)
-        for p in dag.predecessors(n):
+        for p in preds[n]:
             left[p] -= 1
             if left[p] == 0:
                 live -= costs[p].host_bytes
         if left[n] == 0:
             live -= costs[n].host_bytes
     return peak
-
-
-def _moved(a: _Assigned, models: Mapping[str, ModelCost]) -> int:
-    """Bytes an assignment copies host->GPU, as Plan.bytes_moved + Plan.streamed_bytes count them, read from its rows
-    (no steps are made)."""
-    return (sum(models[args[0]].nbytes for kind, args, *_ in a.rows if kind is Load)
-            + sum(bp.total_streamed + bp.resident_bytes for *_, bp in a.rows if bp is not None))
 
 
 def _choose_pins(first: _Assigned, sizes: _Sizes, costs: Mapping[str, NodeCost], order: list[str],
@@ -840,31 +891,33 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
                 prov[n] = v
                 break
         else:
-            raise _infeasible(nc, sizes, budget.gpu)
+            raise _cycle(dag) or _infeasible(nc, sizes, budget.gpu)
     pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
-    order, peak_out = _order(dag, nodes, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
+    preds, succs = _edges(dag, nodes)
+    order, peak_out = _order(nodes, preds, succs, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
+    if len(order) < len(nodes):  # the nodes of a cycle never get ready
+        raise _cycle(dag) or RuntimeError(f"pass 1 left out {sorted(set(nodes) - set(order))}")
     everything = frozenset(models)
     # results early where that moves no byte more than the grouped order, with or without them (module docstring,
     # pass 1); pass 1's order stands in for the grouped one where grouping would hold more host RAM than there is
-    early = functools.partial(finish_early, dag=dag, prov=prov, weights=sizes.nbytes, gpu=budget.gpu,
-                              resident=sorted(start.gpu))
+    early = FinishEarly(order, succs, prov, sizes.nbytes, budget.gpu, sorted(start.gpu))
     chosen = early(order)
     first = _assign(chosen, costs, sizes, budget, cost, start, prov, everything, repeat)
     streams = any(r[-1] is not None for r in first.rows)  # a row's last field: its block plan
     if max(first.loads.values(), default=0) > 1 or streams:  # else no order moves less
         host_room = max(budget.host - pinned_bytes, peak_out)  # (pass 1 may have had to go over it)
-        grouped = _grouped(order, dag, costs, prov)
-        if _host_peak(grouped, dag, costs) > host_room:
+        tight = sum(costs[n].host_bytes for n in nodes) > host_room  # else no order holds more than there is
+        grouped = _grouped(order, preds, succs, costs, prov)
+        if tight and _host_peak(grouped, preds, succs, costs) > host_room:
             grouped = order
         tried = [chosen]
         for cand in (early(grouped) if grouped != order else chosen, grouped):
-            held = _host_peak(cand, dag, costs)
-            if cand in tried or held > host_room:
+            if cand in tried or (tight and _host_peak(cand, preds, succs, costs) > host_room):
                 continue
             tried.append(cand)
             other = _assign(cand, costs, sizes, budget, cost, start, prov, everything, repeat)
-            if _moved(other, models) < _moved(first, models):
-                first, chosen, peak_out = other, cand, held
+            if other.moved < first.moved:
+                first, chosen, peak_out = other, cand, _host_peak(cand, preds, succs, costs)
     order = chosen
     # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by
     # some other prompt when the used models cannot all stay on the GPU together

@@ -13,8 +13,8 @@ import random
 import networkx as nx
 import pytest
 from vramgraph.graph import residency
-from vramgraph.graph.early import finish_early
-from vramgraph.graph.planner import ModelCost, _NextUse, _Sizes
+from vramgraph.graph.early import FinishEarly
+from vramgraph.graph.planner import ModelCost, _edges, _NextUse, _Sizes
 from vramgraph.nodes.types import Blocks, Variant
 
 MB = 10**6
@@ -265,8 +265,8 @@ def test_finish_early_is_the_plain_pass(seed: int) -> None:
     for order in orders(rng, dag):
         for gpu in (80, 90, 100, 140, 170, 250):
             start = rng.sample(sorted(WEIGHTS), rng.randint(0, 2))
-            assert finish_early(order, dag, prov, WEIGHTS, gpu, start) == \
-                plain_finish_early(order, dag, prov, WEIGHTS, gpu, start), (order, gpu, start)
+            early = FinishEarly(list(nx.topological_sort(dag)), _edges(dag, list(dag))[1], prov, WEIGHTS, gpu, start)
+            assert early(order) == plain_finish_early(order, dag, prov, WEIGHTS, gpu, start), (order, gpu, start)
 
 
 # ------------------------------------------------------------------------------------------ pass 3's look ahead

@@ -365,7 +365,8 @@ def test_finish_early_moves_only_nodes_whose_descendants_need_no_other_model():
         enc0 ──► sample0 ──► decode0 ──► save0
         enc1 ──► sample1 ──► decode1 ──► save1
     """
-    from vramgraph.graph.early import finish_early
+    from vramgraph.graph.early import FinishEarly
+    from vramgraph.graph.planner import _edges
 
     dag, costs = chains(2)
     for i in range(2):
@@ -374,11 +375,16 @@ def test_finish_early_moves_only_nodes_whose_descendants_need_no_other_model():
     prov = {n: c.variants[0] for n, c in costs.items()}
     grouped = ["enc0", "enc1", "sample0", "sample1", "decode0", "save0", "decode1", "save1"]
     w = {k: m.nbytes for k, m in MODELS.items()}
-    assert finish_early(grouped, dag, prov, w, card(12).gpu) == [
+    succs = _edges(dag, list(dag))[1]
+
+    def finish_early(order: list[str], gpu: int) -> list[str]:
+        return FinishEarly(order, succs, prov, w, gpu)(order)
+
+    assert finish_early(grouped, card(12).gpu) == [
         "enc0", "enc1", "sample0", "decode0", "save0", "sample1", "decode1", "save1"]
     tight = gib(9.5)  # the decode (0.09 + 2.38 GiB) does not fit beside the transformer (7.22 GiB)
-    assert finish_early(grouped, dag, prov, w, tight) == grouped
-    assert finish_early(grouped, dag, prov, w, gib(100)) == [
+    assert finish_early(grouped, tight) == grouped
+    assert finish_early(grouped, gib(100)) == [
         "enc0", "enc1", "sample0", "decode0", "save0", "sample1", "decode1", "save1"]
 
 
@@ -608,7 +614,8 @@ def test_graph_edges_without_memory_steps():
 
 
 def test_bad_inputs():
-    """A node without a NodeCost, an unknown model and a cycle are ValueErrors that name the culprit.
+    """A node without a NodeCost, an unknown model and a cycle are ValueErrors that name the culprit; a cycle is named
+    first.
 
         a ──► b ──► a
     """
@@ -619,3 +626,8 @@ def test_bad_inputs():
         plan(dag, {"enc": encode("enc"), "sample": sample("sample")}, {"dit": MODELS["dit"]}, card(12))
     with pytest.raises(ValueError, match="cycle"):
         plan(nx.DiGraph([("a", "b"), ("b", "a")]), {}, MODELS, card(12))
+    ring = nx.DiGraph([("enc", "sample"), ("sample", "enc")])  # every node estimated: pass 1 finds the cycle
+    with pytest.raises(ValueError, match=r"cycle through \['enc', 'sample'\]"):
+        plan(ring, {"enc": encode("enc"), "sample": sample("sample")}, MODELS, card(12))
+    with pytest.raises(ValueError, match="cycle"):  # named before a node that fits no budget
+        plan(ring, {"enc": encode("enc"), "sample": sample("sample")}, MODELS, card(1))

@@ -20,7 +20,7 @@ order grouped stage by stage (graph/planner.py `plan`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -141,13 +141,25 @@ class FinishEarly:
                     held += weights[m]
                     changed = True
                 res.append(m)
-            while held + v.activation > gpu:
-                victim = next((m for m in res if m not in v.models), None)
-                if victim is None:
-                    break
-                res.remove(victim)
-                held -= weights[victim]
-                changed = True
+            if held + v.activation > gpu:
+                held, dropped = evict_lru(res, v.models, held, v.activation, gpu, weights.__getitem__)
+                changed = changed or bool(dropped)
             if changed:
                 known.clear()
         return out
+
+
+def evict_lru(resident: list[str], keep: Collection[str], held: int, need: int, budget: int,
+              weight: Callable[[str], int]) -> tuple[int, list[str]]:
+    """The least-recently-used sketch of the GPU that the planner's orderings keep: drop the models of `resident`
+    (oldest first) that are not in `keep` until `held` + `need` fits `budget` or none is left. Returns the bytes still
+    held and the models dropped."""
+    dropped = []
+    while held + need > budget:
+        victim = next((m for m in resident if m not in keep), None)
+        if victim is None:
+            break
+        resident.remove(victim)
+        held -= weight(victim)
+        dropped.append(victim)
+    return held, dropped

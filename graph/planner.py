@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import networkx as nx
 
 from . import residency
-from .early import FinishEarly
+from .early import FinishEarly, evict_lru
 from .residency import BlockPlan
 
 if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
@@ -554,14 +554,11 @@ def _order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[str,
                 held += sizes.w(m)
                 ranks.clear()
             resident.append(m)
-        while held + v.activation > gpu:
-            victim = next((m for m in resident if m not in v.models), None)
-            if victim is None:
-                break
-            resident.remove(victim)
-            res.discard(victim)
-            held -= sizes.w(victim)
-            ranks.clear()
+        if held + v.activation > gpu:
+            held, dropped = evict_lru(resident, v.models, held, v.activation, gpu, sizes.w)
+            if dropped:
+                res.difference_update(dropped)
+                ranks.clear()
     return order, peak
 
 

@@ -171,11 +171,11 @@ class Devices:
         prep = prompt if isinstance(prompt, Prepared) else self.first.prepare(prompt, repeat=repeat)
         node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
         for e in self.engines.values():
-            for key, entry in e.ledger.entries.items():
-                models.setdefault(key, planner.ModelCost(key, entry.info.nbytes, entry.info.label))
+            for key, m in e.ledger.model_costs().items():
+                models.setdefault(key, m)
         todo = prep.dag.subgraph(n for n in prep.dag.nodes if n not in prep.cached).copy()
         devices = [placement.Device(name, e.budget) for name, e in self.engines.items()]
-        starts = {name: planner.Residency(e.ledger.on_gpu, e.ledger.pinned) for name, e in self.engines.items()}
+        starts = {name: e.ledger.residency() for name, e in self.engines.items()}
         placed = placement.place(todo, {n: node_costs[n] for n in todo.nodes}, models, devices, self.first.cost,
                                  starts, repeat=repeat, outputs=prep.outputs)
         return prep, placed

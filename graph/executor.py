@@ -34,6 +34,7 @@ import torch
 
 from ..models.dtypes import torch_dtype
 from ..models.qwen3 import PromptTokenizer
+from ..models.streaming import Kept
 from ..nodes import ENGINE_NODES
 from ..nodes.catalog import ModelCatalog
 from ..nodes.files import Folders
@@ -123,6 +124,11 @@ class NodeContext:
     def host_module(self, handle: ModelHandle) -> torch.nn.Module:
         """The model's pinned host copy (for a node that streams it), waiting for its background read."""
         return self.engine.ledger.host_module(handle.key)
+
+    def kept_blocks(self, handle: ModelHandle) -> Kept:
+        """Where a node that streams the model finds the resident part an earlier node left on the GPU, and leaves
+        its own (models/streaming.py; the plan counts it as resident until a node needs the room)."""
+        return self.engine.ledger.kept(handle.key)
 
     @property
     def device(self) -> torch.device:
@@ -370,10 +376,10 @@ class Engine:
         return prep
 
     def _prepare(self, prompt: dict, repeat: bool, outputs: Iterable[str] | None, budget: planner.Budget) -> Prepared:
-        resident = {key: planner.ModelCost(key, e.info.nbytes, e.info.label) for key, e in self.ledger.entries.items()}
+        resident = self.ledger.model_costs()
         return prepare(prompt, self.nodes, self.folders, self.catalog, budget, self.cost, repeat=repeat,
                        outputs=outputs, cached=self._cache.keys(),
-                       start=planner.Residency(self.ledger.on_gpu, self.ledger.pinned), resident=resident)
+                       start=self.ledger.residency(), resident=resident)
 
     # -- running
     def _blas_workspace(self) -> None:
@@ -466,10 +472,10 @@ class Engine:
         done = {n for n in values if isinstance(n, str)} | (self._cuts.dropped if self._cuts is not None else set())
         todo = prep.dag.subgraph(n for n in prep.dag.nodes if n not in done).copy()
         costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
-        for key, e in self.ledger.entries.items():
-            models.setdefault(key, planner.ModelCost(key, e.info.nbytes, e.info.label))
+        for key, m in self.ledger.model_costs().items():
+            models.setdefault(key, m)
         plan = planner.plan(todo, {n: costs[n] for n in todo.nodes}, models, budget, self.cost,
-                            planner.Residency(self.ledger.on_gpu, self.ledger.pinned))
+                            self.ledger.residency())
         new = dataclasses.replace(prep, plan=plan)
         if self._cuts is not None:
             self._cuts.prep, self._cuts.step = new, 0
@@ -627,7 +633,9 @@ class Engine:
         for name, kind in cls.INPUT_TYPES(folders=self.folders).get("hidden", {}).items():
             if kind in hidden:
                 inputs[name] = hidden[kind]
-        predicted = ps.blocks.gpu_bytes if ps.blocks is not None else chosen.activation if chosen is not None else 0
+        # (a streamed node's kept part, reused, was allocated before its peak is measured from)
+        predicted = ps.blocks.gpu_bytes - ps.blocks.reused if ps.blocks is not None \
+            else chosen.activation if chosen is not None else 0
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()

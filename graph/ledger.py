@@ -12,6 +12,10 @@ Owned by the executor and changed only by the plan's Load/Unload steps; it decid
   pinned copy if it is still being read, then copies the whole buffer to the GPU in one transfer, at the
   host link's full speed, and points the parameters at views of it.
 - `Unload(to="drop")` forgets the model's weights everywhere; a later load reads the file again.
+- A node that streams a model block by block leaves its resident part (the weights outside the blocks and the
+  resident blocks, one device buffer: models/streaming.py `Kept`) here after it ends; it is on the GPU under the
+  part's own key (graph/residency.py `part_key`) until the next node streaming the model takes it over, or an
+  `Unload` of that key frees it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models import loading
+from ..models.streaming import Kept
 from ..nodes.types import ModelInfo
+from . import residency
+from .planner import ModelCost, Residency
 
 log = logging.getLogger("vramgraph.ledger")
 
@@ -44,6 +51,12 @@ class Entry:
     gpu_module: torch.nn.Module | None = None  # a copy loaded straight from the file onto the GPU
     gpu_flat: torch.Tensor | None = None  # the GPU copy of `copy.flat` while loaded from it
     on_device: bool = False
+    kept: Kept = field(default_factory=Kept)  # the resident part a streaming node left on the GPU
+
+    @property
+    def part(self) -> str | None:
+        """The key of the kept part on the GPU, None when there is none."""
+        return residency.part_key(self.info.key, self.kept.blocks) if self.kept.nbytes else None
 
     @property
     def pinned(self) -> bool:
@@ -84,7 +97,23 @@ class Ledger:
 
     @property
     def on_gpu(self) -> frozenset[str]:
-        return frozenset(k for k, e in self.entries.items() if e.on_device)
+        """The keys of the models on the GPU, and of the kept parts there."""
+        keys = {k for k, e in self.entries.items() if e.on_device}
+        return frozenset(keys | {e.part for e in self.entries.values() if e.part is not None})
+
+    def model_costs(self) -> dict[str, ModelCost]:
+        """What the planner must know of every model here."""
+        return {key: ModelCost(key, e.info.nbytes, e.info.label) for key, e in self.entries.items()}
+
+    def residency(self) -> Residency:
+        """Where the weights are now, as a plan starts from it: the kept parts with their real bytes."""
+        kept = tuple(ModelCost(e.part, e.kept.nbytes, residency.part_label(e.info.label, e.kept.blocks))
+                     for e in self.entries.values() if e.part is not None)
+        return Residency(self.on_gpu, self.pinned, kept)
+
+    def kept(self, key: str) -> Kept:
+        """Where a node streaming model `key` finds and leaves its resident part."""
+        return self.entries[key].kept
 
     @property
     def pinned(self) -> frozenset[str]:
@@ -130,6 +159,7 @@ class Ledger:
         e = self.entries[key]
         if e.on_device:
             return
+        e.kept.drop()  # (the plan unloads a kept part before its model loads whole)
         t0 = time.perf_counter()
         if source == "file" and self.device.type == "cuda" and not pin:
             if e.info.spec is None:
@@ -154,8 +184,19 @@ class Ledger:
         self._note(Event("load", key, source, time.perf_counter() - t0, e.info.nbytes), e.info)
 
     def unload(self, key: str, to: str = "pinned") -> None:
+        base = residency.part_of(key)
+        if base is not None:  # a kept part: its buffer is freed, the model's host copy stays as it is
+            e = self.entries[base]
+            nbytes = e.kept.nbytes
+            if e.part != key:
+                raise RuntimeError(f"the plan unloads {key}, but the GPU holds {e.part or 'no part'} of that model")
+            e.kept.drop()
+            self._note(Event("unload", key, "pinned", 0.0, nbytes), e.info)
+            return
         e = self.entries[key]
         t0 = time.perf_counter()
+        if to == "drop":
+            e.kept.drop()
         e.gpu_module = None
         if e.copy is not None and self.device.type != "cpu":  # the host copy's parameters point home again
             for name, t in _tensors(e.copy.module).items():
@@ -211,5 +252,5 @@ class Ledger:
     def forget(self, keep: set[str]) -> None:
         """Drop models no cached output refers to any more."""
         for key in [k for k in self.entries if k not in keep]:
-            self.unload(key, "drop")
+            self.unload(key, "drop")  # (its kept part too)
             del self.entries[key]

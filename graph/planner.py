@@ -36,6 +36,11 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    `repeat=True`, "next use" looks past the end of the run into the same sequence run again (the next
    image), so the end state is what the next run wants. Each node gets the variant with the least predicted
    time = variant seconds + loads of its missing models + reloads its evictions cause.
+   A node that streams a model block by block leaves its resident part (the weights outside the blocks and its
+   resident blocks) on the GPU as a *kept part* (graph/residency.py `part_key`), a model of its own in the
+   residency: evicted like any other (its reload is its upload by the next node that streams the model), taken
+   over by that node, which then uploads nothing before its first pass when it keeps the same blocks, and
+   unloaded before its model loads whole.
 
 Nothing is ever unloaded unless a node forces it out, and nothing is loaded before the node that needs it.
 """
@@ -131,6 +136,8 @@ class Residency:
 
     gpu: frozenset[str] = frozenset()
     pinned: frozenset[str] = frozenset()  # models with a pinned host copy
+    kept: tuple[ModelCost, ...] = ()  # the kept parts in `gpu` (graph/residency.py), so that a plan starting from
+    #                                   this residency knows their bytes
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -230,7 +237,7 @@ class Plan:
     @property
     def streamed_bytes(self) -> int:
         """Bytes copied host->GPU by the Runs that stream a model (every pass, and their resident blocks' upload)."""
-        return sum(s.blocks.total_streamed + s.blocks.resident_bytes for s in self.steps if s.blocks is not None)
+        return sum(s.blocks.uploaded for s in self.steps if s.blocks is not None)
 
     @property
     def seconds(self) -> float:
@@ -358,9 +365,54 @@ class _Sizes:
         self._specs: dict[Any, Any] = {}  # Blocks -> the first equal one seen
         self._spec: dict[int, Any] = {}  # id of a Blocks -> the first equal one seen
         self._alone: dict[int, int] = {}
+        self.parts: dict[str, ModelCost] = {}  # kept parts (graph/residency.py) made by pass 3, by key
+        self._base: dict[str, str | None] = {}
+        self._keeping: dict[tuple[int, str, int, float], BlockPlan | None] = {}
 
     def w(self, key: str) -> int:
-        return self.models[key].nbytes
+        m = self.models.get(key)
+        return (m if m is not None else self.parts[key]).nbytes
+
+    def base(self, key: str) -> str | None:
+        """The model whose kept part `key` is; None for a whole model."""
+        got = self._base.get(key, ...)
+        if got is ...:
+            got = self._base[key] = residency.part_of(key)
+        return got
+
+    def part(self, bp: BlockPlan) -> str | None:
+        """The key of the part a streamed node leaves on the GPU (its fixed weights and resident blocks), made
+        known to the plan; None when it leaves nothing."""
+        if not bp.resident_bytes:
+            return None
+        key = residency.part_key(bp.model, bp.resident)
+        if key not in self.models and key not in self.parts:
+            label = residency.part_label(self.models[bp.model].name, bp.resident)
+            self.parts[key] = ModelCost(key, bp.resident_bytes, label)
+            self._base[key] = bp.model
+        return key
+
+    def uses(self, m: str, v: Variant) -> bool:
+        """Whether v needs m on the GPU: a model it names, or a kept part of the model it streams by blocks."""
+        base = self.base(m)
+        if base is None:
+            return m in v.models
+        return v.blocks is not None and v.blocks.model == base
+
+    def excludes(self, m: str, v: Variant) -> bool:
+        """Whether m must leave before v runs: a kept part of a model v loads whole."""
+        base = self.base(m)
+        return base is not None and base in v.models
+
+    def keeping(self, v: Variant, part: str, room: int, bandwidth: float) -> BlockPlan | None:
+        """residency.keeping for v with the blocks of the kept part `part`, once per spec, part and room."""
+        assert v.blocks is not None
+        self.choose(v, room, bandwidth)  # (makes the spec's canonical object known)
+        spec = self._spec[id(v.blocks)]
+        key = (id(spec), part, room, bandwidth)
+        if key not in self._keeping:
+            self._keeping[key] = residency.keeping(spec, residency.part_blocks(part), room, bandwidth)
+        return self._keeping[key]
 
     @property
     def nbytes(self) -> dict[str, int]:
@@ -605,10 +657,13 @@ class _NextUse:
         #                                          the positions looked at]
 
     def meets(self, m: str, v: Variant) -> bool | None:
-        """True: v uses m; False: v and m cannot fit together; None: neither."""
-        if m in v.models:
+        """True: v uses m; False: v and m cannot fit together (or m is a kept part of a model v loads whole);
+        None: neither."""
+        sizes = self.sizes
+        if sizes.uses(m, v):
             return True
-        return False if self.sizes.weights(v.models) + self.sizes.w(m) + v.activation > self.gpu else None
+        return False if sizes.excludes(m, v) or sizes.weights(v.models) + sizes.w(m) + v.activation > self.gpu \
+            else None
 
     def first(self, m: str, i: int, chosen: Mapping[str, Variant], cur: Variant) -> tuple[Variant, int] | None:
         """(variant, distance) of the first node after position i that meets m, `cur` (position i in the next run)
@@ -618,10 +673,14 @@ class _NextUse:
         if ahead is None:  # (meets, spelled out)
             ahead = self.ahead[m] = [n] * (n + 1)
             prov, alone, room, nxt = self.prov, self.sizes.alone, self.gpu - self.sizes.w(m), n
+            base = self.sizes.base(m)
             for j in range(n - 1, -1, -1):
                 v = prov[order[j]]
-                if m in v.models or alone(v) > room:
-                    nxt = j
+                if base is None:
+                    if m in v.models or alone(v) > room:
+                        nxt = j
+                elif base in v.models or (v.blocks is not None and v.blocks.model == base) or alone(v) > room:
+                    nxt = j  # (a kept part: meets the nodes that stream its model, and those that load it whole)
                 ahead[j] = nxt
         j = ahead[i + 1]
         if j < n:
@@ -642,27 +701,42 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
     """Pass 3: residency and variants along a fixed order (see the module docstring)."""
     gpu = budget.gpu
     w = {k: m.nbytes for k, m in sizes.models.items()}
+    w.update((k, m.nbytes) for k, m in sizes.parts.items())
     resident: list[str] = sorted(start.gpu)
+    kept: dict[str, str] = {}  # model -> the key of its kept part on the GPU (graph/residency.py)
+    for m in resident:
+        if sizes.base(m) is not None:
+            kept[sizes.base(m)] = m
     pinned: set[str] = set(start.pinned)
     chosen: dict[str, Variant] = {}
     rows: list[tuple] = []
     loads: Counter[str] = Counter()
     unloaded: set[str] = set()
     moved = 0
+    part_bw = cm.h2d_pinned * residency.STREAM_COPY_EFFICIENCY  # a kept part comes back with its node's upload
 
     after = _NextUse(order, prov, sizes, gpu, repeat)
 
     def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
         """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
         got = after.first(m, i, chosen, cur)
-        if got is not None and m in got[0].models:  # (it meets m: uses it, or cannot fit beside it)
+        if got is not None and sizes.uses(m, got[0]):  # (it meets m: uses it, or cannot fit beside it)
+            if sizes.base(m) is not None:  # a kept part: uploaded again by the next node that streams its model
+                return w[m] / part_bw, got[1]
             return cm.load_seconds(w[m], m in pinned), got[1]  # m is resident: pinned by now if ever
         return 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
 
-    def evictions(i: int, v: Variant, total: int) -> tuple[list[str], float]:
-        """The models to unload before v runs at position i (`total`: the GPU bytes it needs with all resident), and
-        the reload seconds that costs."""
-        keyed = sorted(((*evict_cost(m, i, v), m) for m in resident if m not in v.models),
+    def gone(v: Variant) -> tuple[list[str], str | None]:
+        """The kept parts v frees without an eviction: those of the models it loads whole (which must leave
+        first), and the part of the model it streams by blocks (None if none), which it takes over."""
+        drop = [kept[m] for m in sizes.unique(v.models) if m in kept]
+        own = kept.get(v.blocks.model) if v.blocks is not None else None
+        return drop, own
+
+    def evictions(i: int, v: Variant, total: int, skip: list[str]) -> tuple[list[str], float]:
+        """The models to unload before v runs at position i (`total`: the GPU bytes it needs with all resident
+        but `skip`), and the reload seconds that costs."""
+        keyed = sorted(((*evict_cost(m, i, v), m) for m in resident if m not in v.models and m not in skip),
                        key=lambda t: (t[0], -t[1], -w[t[2]]))
         out: list[tuple[float, float, str]] = []
         for t in keyed:
@@ -678,8 +752,10 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
 
     def free(i: int, u: Variant) -> bool:
         """Whether u can run at position i without pushing out a model that would have to come back."""
-        total = held + sum(w[m] for m in sizes.unique(u.models) if m not in resident) + u.activation
-        return total <= gpu or evictions(i, u, total)[1] == 0
+        drop, _ = gone(u)
+        total = held - sum(w[m] for m in drop) + sum(w[m] for m in sizes.unique(u.models) if m not in resident) \
+            + u.activation
+        return total <= gpu or evictions(i, u, total, drop)[1] == 0
 
     def read_first(v: Variant) -> float:
         """Reading a streamed model's file into its pinned host copy, the first time."""
@@ -689,20 +765,32 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 secs += cm.load_seconds(w[m], False)
         return secs
 
-    def streamed(i: int, v: Variant, missing: int, out: list[str], reload_s: float
+    def streamed(i: int, v: Variant, missing: int, out: list[str], reload_s: float, own: str | None
                  ) -> tuple[float, list[str], BlockPlan]:
-        """A block-streaming variant: the resident blocks that fit beside the models that stay, and whether evicting
-        more models (cheapest first) buys a faster node than their reloads cost."""
+        """A block-streaming variant: the resident blocks that fit beside the models that stay (the kept part
+        `own` reused where keeping its blocks is faster), and whether evicting more models (cheapest first) buys a
+        faster node than their reloads cost."""
         assert v.blocks is not None
         bw = cm.h2d_pinned
         room = gpu - held - missing  # for the node's own bytes, beside the models that stay
         for m in out:
             room += w[m]
-        best_bp = sizes.choose(v, room, bw)
+        if own is not None:
+            room += w[own]
+
+        def best_at(room: int) -> BlockPlan | None:
+            bp = sizes.choose(v, room, bw)
+            if own is not None:
+                kb = sizes.keeping(v, own, room, bw)
+                if kb is not None and (bp is None or kb.seconds < bp.seconds):
+                    bp = kb
+            return bp
+
+        best_bp = best_at(room)
         best_t, best_out = (_INF if best_bp is None else best_bp.seconds + reload_s), out
         more = []
         for m in resident:
-            if m not in out and m not in v.models:
+            if m not in out and m not in v.models and m != own:
                 more.append((*evict_cost(m, i, v), m))
         if len(more) > 1:
             more.sort(key=lambda t: (t[0], -t[1], -w[t[2]]))
@@ -710,7 +798,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         for k, (c, _, m) in enumerate(more, 1):
             extra_s += c
             room += w[m]
-            bp = sizes.choose(v, room, bw)
+            bp = best_at(room)
             if bp is not None and bp.seconds + reload_s + extra_s < best_t:
                 best_t, best_out, best_bp = bp.seconds + reload_s + extra_s, out + [m for _, _, m in more[:k]], bp
         assert best_bp is not None  # the variant's activation is its least need, which evictions made room for
@@ -725,7 +813,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             v = chosen[node] = nc.variants[0]
             rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
             continue
-        best: tuple[float, Variant, list[str], BlockPlan | None, float] | None = None
+        best: tuple[float, Variant, list[str], BlockPlan | None, float, str | None] | None = None
         options: list[tuple[Variant, float | None]] = []
         for v in nc.variants:
             if sizes.alone(v) > gpu:
@@ -749,16 +837,22 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 if u is not None:
                     options.append((v, None))
                     continue
+            drop, own = gone(v) if kept else ([], None)
             missing, need = [], 0
             for m in sizes.unique(v.models):
                 if m not in resident:
                     missing.append(m)
                     need += w[m]
             total = held + need + v.activation
-            out, reload_s = ([], 0.0) if total <= gpu else evictions(i, v, total)
+            for m in drop:
+                total -= w[m]
+            if own is not None:
+                total -= w[own]
+            out, reload_s = ([], 0.0) if total <= gpu else evictions(i, v, total, [*drop, own] if own else drop)
+            out = drop + out
             bp, read = None, 0.0
             if v.blocks is not None:
-                t, out, bp = streamed(i, v, need, out, reload_s)
+                t, out, bp = streamed(i, v, need, out, reload_s, own)
                 read = read_first(v)
                 t += read
             else:
@@ -769,16 +863,19 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 t += sum(cm.load_seconds(w[m], m in pinned) for m in missing)
             options.append((v, t))
             if best is None or t < best[0]:
-                best = (t, v, out, bp, read)
+                best = (t, v, out, bp, read, own)
         assert best is not None  # feasibility was checked up front
-        t, v, out, bp, read = best
+        t, v, out, bp, read, own = best
         chosen[node] = v
         for m in out:
             resident.remove(m)
             held -= w[m]
             now = tuple(resident)
             unloaded.add(m)
-            rows.append((Unload, (m, "pinned" if m in pinned else "drop"), held, now, 0.0,
+            base = sizes.base(m)
+            if base is not None:
+                del kept[base]
+            rows.append((Unload, (m, "pinned" if m in pinned or base is not None else "drop"), held, now, 0.0,
                          f"makes room for {node} ({nc.class_type})", (), None))
         for m in sizes.unique(v.models):
             if m in resident:
@@ -801,13 +898,26 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         note: str | tuple = v.note
         if bp is not None or v is not nc.variants[0]:  # written out only for the steps of the plan returned
             note = (v, nc.variants[0], bp, sizes.models[bp.model].name if bp is not None else "", t, options)
-        own = v.activation
+        gpu_bytes = held + v.activation
         if bp is not None:
-            own = bp.gpu_bytes
-            moved += bp.total_streamed + bp.resident_bytes
-        rows.append((Run, (node, v.name), held + own, now, bp.seconds + read if bp is not None else cm.run_seconds(v),
+            if own is not None:  # taken over by this node: reused, or freed as it starts when its blocks differ
+                resident.remove(own)
+                held -= w[own]
+                del kept[bp.model]
+            gpu_bytes = held + bp.gpu_bytes
+            moved += bp.uploaded
+            part = sizes.part(bp)
+            if part is not None:  # its resident part stays on the GPU after it, until a node needs the room
+                w[part] = sizes.w(part)
+                kept[bp.model] = part
+                resident.append(part)
+                held += w[part]
+            now = tuple(resident)
+        rows.append((Run, (node, v.name), gpu_bytes, now, bp.seconds + read if bp is not None else cm.run_seconds(v),
                      note, tuple(v.streams), bp))
-    return _Assigned(rows, chosen, Residency(frozenset(resident), frozenset(pinned)), loads, unloaded, moved)
+    kept_parts = tuple(sizes.parts.get(m) or sizes.models[m] for m in kept.values())
+    end = Residency(frozenset(resident), frozenset(pinned), kept_parts)
+    return _Assigned(rows, chosen, end, loads, unloaded, moved)
 
 
 def _grouped(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[str, list[str]],
@@ -878,6 +988,8 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     residency left by the previous run. With `repeat`, the plan expects the same graph to run again next
     and keeps what that run will want. Raises PlanError when a node fits with no variant.
     """
+    if start.kept:
+        models = {**models, **{m.key: m for m in start.kept if m.key in start.gpu}}
     nodes = _validate(dag, costs, models, start)
     sizes = _Sizes(models)
     prov: dict[str, Variant] = {}
@@ -931,5 +1043,6 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         evicted |= {m for v in nxt.chosen.values() for m in v.streams}
     pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
     done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)
-    return Plan(done.steps(), budget, dict(models), done.end, start, {n: costs[n].class_type for n in nodes},
-                cost)
+    parts = {k: sizes.parts[k] for s in done.rows for k in s[3] if k in sizes.parts}  # (a row's resident keys)
+    return Plan(done.steps(), budget, {**models, **parts}, done.end, start,
+                {n: costs[n].class_type for n in nodes}, cost)

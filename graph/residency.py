@@ -13,6 +13,10 @@ the buffer it fills has been released by the streamed block two before it; a blo
 before it is done and, if streamed, its copy has landed. The resident upload comes first. Passes beyond the
 third repeat the third's duration (the pipeline is periodic by then).
 
+After the node the resident part stays on the GPU as a *kept part* of the model (`part_key`): a planner model of
+`resident_bytes` that the next node streaming the same model with the same resident blocks takes over instead of
+uploading it again (`reuse`), and that any node short of room may push out like a whole model.
+
 `choose` minimises that time under the memory the node may use: for every count of streamed blocks per kind
 of block (same size and time), the streamed ones spread evenly among their kind; from the best few of those a
 local search (stream one block more or fewer, or swap a streamed and a resident block) goes on while that helps.
@@ -23,6 +27,7 @@ against brute force on small cases, tests/test_fast_paths.py against the same se
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -60,6 +65,12 @@ class BlockPlan:
     gpu_bytes: int  # the node's GPU peak above other resident models (fixed + resident + staging + activation)
     unit: str = "step"
     passes_per_unit: int = 1
+    reused: int = 0  # bytes of the resident part already on the GPU, kept from an earlier node (not uploaded)
+
+    @property
+    def uploaded(self) -> int:
+        """Bytes copied host->GPU over the whole node: the resident part unless it was kept, and every pass."""
+        return self.resident_bytes - self.reused + self.streamed_bytes * self.passes
 
     @property
     def total_streamed(self) -> int:
@@ -69,7 +80,9 @@ class BlockPlan:
     def describe(self, label: str) -> str:
         """E.g. 'transformer 14/25 blocks resident, 3.10 GiB streamed per step'."""
         per = self.streamed_bytes * self.passes_per_unit / GiB
-        return f"{label} {len(self.resident)}/{self.n} blocks resident, {per:.2f} GiB streamed per {self.unit}"
+        kept = f" ({self.reused / GiB:.2f} GiB of them kept from before)" if self.reused else ""
+        return (f"{label} {len(self.resident)}/{self.n} blocks resident{kept}, {per:.2f} GiB streamed per "
+                f"{self.unit}")
 
     def to_json(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
@@ -127,6 +140,54 @@ def _plan(spec: Blocks, streamed: tuple[int, ...], secs: float) -> BlockPlan:
                      spec.fixed + sum(spec.sizes[i] for i in resident), sum(spec.sizes[i] for i in streamed),
                      spec.staging(streamed), spec.passes, secs, spec.passes * sum(spec.seconds),
                      spec.gpu_bytes(streamed), spec.unit, spec.passes_per_unit)
+
+
+PART = "#kept="  # a kept part's key: the model's key, this, the resident blocks (e.g. "transformer:..#kept=0-10")
+
+
+def part_key(model: str, resident: tuple[int, ...]) -> str:
+    """The planner's key of `model`'s resident part kept on the GPU after a node that streamed it."""
+    runs = []
+    for _, grp in itertools.groupby(enumerate(resident), lambda t: t[1] - t[0]):
+        idx = [i for _, i in grp]
+        runs.append(str(idx[0]) if len(idx) == 1 else f"{idx[0]}-{idx[-1]}")
+    return f"{model}{PART}{','.join(runs)}"
+
+
+def part_of(key: str) -> str | None:
+    """The model whose kept part `key` is, None for a whole model's key."""
+    model, sep, _ = key.rpartition(PART)
+    return model if sep else None
+
+
+def part_blocks(key: str) -> tuple[int, ...]:
+    """The resident blocks a kept part's key names."""
+    out: list[int] = []
+    for run in filter(None, key.rpartition(PART)[2].split(",")):  # (none: only the weights outside the blocks)
+        a, _, b = run.partition("-")
+        out += range(int(a), int(b or a) + 1)
+    return tuple(out)
+
+
+def part_label(label: str, resident: tuple[int, ...]) -> str:
+    return f"{label} ({len(resident)} blocks kept)"
+
+
+def reuse(bp: BlockPlan, bandwidth: float) -> BlockPlan:
+    """`bp` run with its resident part already on the GPU: nothing is uploaded before the first pass, which the
+    pipeline of `seconds` starts that much earlier (its times are all counted from the end of the upload)."""
+    upload = bp.resident_bytes / (bandwidth * STREAM_COPY_EFFICIENCY)
+    return dataclasses.replace(bp, reused=bp.resident_bytes, seconds=max(0.0, bp.seconds - upload))
+
+
+def keeping(spec: Blocks, resident: tuple[int, ...], room: int, bandwidth: float) -> BlockPlan | None:
+    """The plan with exactly `resident` kept (a part already on the GPU), reused, if it fits in `room`."""
+    gone = set(resident)
+    streamed = tuple(i for i in range(len(spec.sizes)) if i not in gone)
+    if spec.gpu_bytes(streamed) > room:
+        return None
+    bw = bandwidth * STREAM_COPY_EFFICIENCY
+    return reuse(_plan(spec, streamed, seconds(spec, streamed, bw)), bandwidth)
 
 
 def _spread(positions: list[int], k: int) -> list[int]:

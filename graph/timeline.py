@@ -5,8 +5,10 @@ the ComfyUI panel (the server sends it with the plan; the browser inserts it and
 Top to bottom, every column one step of the plan:
 - a title: the workflow, the card (or the budget) and the image size(s); a line of totals under it; a key;
 - GPU memory after each step: stacked bars, one colour per model, activations on top, the budget line;
-- one lane per model: on the GPU (filled), pinned copy in host RAM (thin bar), streamed from host RAM
-  (outline), not loaded (grey line); a green triangle where it is loaded, a red one where it is unloaded;
+- one lane per model: on the GPU (filled), only its kept part on the GPU (the lower half filled: what a node
+  that streamed it left there, graph/residency.py), pinned copy in host RAM (thin bar), streamed from host RAM
+  (outline), not loaded (grey line); a green triangle where it is loaded, a red one where it (or its kept part) is
+  unloaded;
 - the steps in order, under their columns: node id and class of each Run, "load" / "unload" of the others.
 
 Labels never overlap, by construction: text widths are measured with DejaVu Sans's advance widths (the font
@@ -25,6 +27,7 @@ from html import escape
 from typing import Any
 
 from .planner import GiB, Load, Plan, Run, Unload
+from .residency import part_of
 
 _PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f", "#bab0ac")
 _ACTIVATION = "#e15759"
@@ -59,13 +62,26 @@ def text_width(text: str, size: float, bold: bool = False) -> float:
     return em * size / 100 * SLACK
 
 
+def _lane(key: str) -> str:
+    """The model whose lane and band a key is drawn in: a kept part in its model's."""
+    return part_of(key) or key
+
+
 def _model_order(plan: Plan) -> list[str]:
     """Models in order of first appearance (resident at the start, then loaded or streamed); stacking order."""
-    seen = dict.fromkeys(sorted(plan.start.gpu))
+    seen = dict.fromkeys(_lane(m) for m in sorted(plan.start.gpu))
     for s in plan.steps:
-        seen.update(dict.fromkeys(s.resident))
+        seen.update(dict.fromkeys(_lane(m) for m in s.resident))
         seen.update(dict.fromkeys(s.streams))
     return [m for m in seen if m in plan.models]
+
+
+def _on_gpu(plan: Plan, s: Any) -> dict[str, int]:
+    """GPU bytes of each model after step s, a kept part counted in its model's."""
+    out: dict[str, int] = {}
+    for m in s.resident:
+        out[_lane(m)] = out.get(_lane(m), 0) + plan.models[m].nbytes
+    return out
 
 
 def timeline_data(plan: Plan) -> dict[str, Any]:
@@ -73,7 +89,7 @@ def timeline_data(plan: Plan) -> dict[str, Any]:
     steps = []
     for i, s in enumerate(plan.steps):
         name, what, how = plan.describe(s)
-        per_model = {m: plan.models[m].nbytes for m in s.resident}
+        per_model = _on_gpu(plan, s)
         steps.append({
             "index": i,
             "kind": s.step.kind,
@@ -205,6 +221,8 @@ def _key_symbol(kind: str, x: float, y: float) -> str:
         return f'<rect x="{x}" y="{y}" width="14" height="10" fill="#888"/>'
     if kind == "host":
         return f'<rect x="{x}" y="{y + 3}" width="14" height="4" fill="#888" fill-opacity="0.5"/>'
+    if kind == "kept":
+        return f'<rect x="{x}" y="{y + 5}" width="14" height="5" fill="#888"/>'
     if kind == "stream":
         return (f'<rect x="{x + 0.5}" y="{y + 0.5}" width="13" height="9" fill="white" stroke="#888" '
                 'stroke-dasharray="3 2"/>')
@@ -285,6 +303,8 @@ def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt
     key = [("gpu", "on the GPU"), ("host", "pinned copy in host RAM")]
     if any(s.streams for s in plan.steps):
         key.append(("stream", "streamed from host RAM"))
+    if any(part_of(m) for s in plan.steps for m in s.resident):
+        key.append(("kept", "its kept part on the GPU"))
     key += [("load", "load"), ("unload", "unload"), ("activation", "activations"), ("budget", "budget")]
     key_w = [14 + 4 + text_width(t, FS) for _, t in key]
     width = math.ceil(max(width, 2 * PAD + max(text_width(p, FS_TITLE, True) for p in heading),
@@ -347,11 +367,12 @@ def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt
 
     # stacked bars, one group per model, then the activations
     base = [0] * n
+    held = [_on_gpu(plan, s) for s in plan.steps]
     for m in order:
         rects = []
-        for i, s in enumerate(plan.steps):
-            if m in s.resident:
-                nb = plan.models[m].nbytes
+        for i in range(n):
+            if m in held[i]:
+                nb = held[i][m]
                 y0, y1 = ypx(base[i] + nb), ypx(base[i])
                 rects.append(f'<rect data-step="{i}" x="{left + i * col + 2}" y="{min(y0, y1 - 1):.1f}" '
                              f'width="{col - 4}" height="{max(1.0, y1 - y0):.1f}"/>')
@@ -373,13 +394,13 @@ def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt
     # lanes: one per model
     pinned = set(plan.start.pinned)
     states: list[list[str]] = [[] for _ in order]
-    for s in plan.steps:
+    for i, s in enumerate(plan.steps):
         if isinstance(s.step, Load) and s.step.pin:
             pinned.add(s.step.model)
         pinned.update(s.streams)
         for k, m in enumerate(order):
-            states[k].append("gpu" if m in s.resident else "stream" if m in s.streams else
-                             "host" if m in pinned else "none")
+            states[k].append("gpu" if m in s.resident else "kept" if m in held[i] else
+                             "stream" if m in s.streams else "host" if m in pinned else "none")
     for k, m in enumerate(order):
         ly = lanes_top + k * (LANE_H + LANE_GAP)
         c = colour[plan.label(m)]
@@ -389,6 +410,9 @@ def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt
             if st == "gpu":
                 cells.append(f'<rect data-step="{i}" x="{x0}" y="{ly + 1}" width="{col}" height="{LANE_H - 2}" '
                              f'fill="{c}"/>')
+            elif st == "kept":
+                cells.append(f'<rect data-step="{i}" x="{x0}" y="{ly + LANE_H / 2}" width="{col}" '
+                             f'height="{LANE_H / 2 - 1}" fill="{c}"/>')
             elif st == "host":
                 cells.append(f'<rect data-step="{i}" x="{x0}" y="{ly + LANE_H / 2 - 2}" width="{col}" height="4" '
                              f'fill="{c}" fill-opacity="0.5"/>')
@@ -400,8 +424,8 @@ def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt
         out.append(f'<rect x="{PAD}" y="{ly + LANE_H / 2 - 5}" width="14" height="10" fill="{c}"/>')
         out.append(_text(PAD + 18, ly + LANE_H / 2 + 0.35 * FS, lane_names[k], extra=' class="lane-label"'))
     for i, s in enumerate(plan.steps):  # load and unload marks
-        if isinstance(s.step, (Load, Unload)) and s.step.model in order:
-            ly = lanes_top + order.index(s.step.model) * (LANE_H + LANE_GAP)
+        if isinstance(s.step, (Load, Unload)) and _lane(s.step.model) in order:
+            ly = lanes_top + order.index(_lane(s.step.model)) * (LANE_H + LANE_GAP)
             out.append(f'<g class="mark {s.step.kind}" data-step="{i}" data-model="{escape(s.step.model)}">'
                        f"{_triangle(isinstance(s.step, Load), cx(i), ly + LANE_H / 2)}</g>")
 

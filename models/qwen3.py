@@ -30,6 +30,7 @@ from .qwen3_config import Qwen3Config as Qwen3Config
 from .qwen3_config import config_from_checkpoint as config_from_checkpoint
 from .qwen3_config import parameter_shapes as parameter_shapes
 from .qwen3_config import sources as sources
+from .streaming import Kept
 
 log = logging.getLogger(__name__)
 
@@ -153,14 +154,16 @@ class Qwen3Encoder(nn.Module):
         return torch.cat([outs[k] for k in self.cfg.output_layers], dim=-1)
 
     def forward_streamed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, device: torch.device,
-                         between: Callable[[], None] | None = None, resident: Collection[int] = ()) -> torch.Tensor:
+                         between: Callable[[], None] | None = None, resident: Collection[int] = (),
+                         kept: Kept | None = None) -> torch.Tensor:
         """`forward` with the weights left in (pinned) host memory: the embedding lookup runs on the host, the
-        `resident` layers are copied to `device` once and every other layer is streamed there while the layer
-        before it computes (models/streaming.py). Same operations on the same device, so the same numbers."""
+        `resident` layers are copied to `device` once (or found in `kept`, and left there) and every other layer is
+        streamed there while the layer before it computes (models/streaming.py). Same operations on the same device,
+        so the same numbers."""
         from .streaming import stream_blocks
 
         x = self.embed_tokens(input_ids.to(self.embed_tokens.weight.device)).to(device)
-        with stream_blocks(self, device, resident):
+        with stream_blocks(self, device, resident, kept):
             return self._layers(x, attention_mask, between)
 
 
@@ -252,11 +255,11 @@ class PromptTokenizer:
 @torch.inference_mode()
 def encode_prompts_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, prompts: list[str],
                             device: torch.device, between: Callable[[], None] | None = None,
-                            resident: Collection[int] = ()) -> torch.Tensor:
+                            resident: Collection[int] = (), kept: Kept | None = None) -> torch.Tensor:
     """`encode_prompts` with the encoder's weights in host memory, streamed to `device` layer by layer (the
     `resident` layers copied once)."""
     ids, mask = tokenizer.encode(prompts)
-    return encoder.forward_streamed(ids, mask, torch.device(device), between, resident)
+    return encoder.forward_streamed(ids, mask, torch.device(device), between, resident, kept)
 
 
 @torch.inference_mode()

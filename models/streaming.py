@@ -8,6 +8,12 @@ when block g has computed, the copy of block g+2 into its buffer is queued behin
 compute (double buffering). The compute stream waits on the copy's event, never on the whole device. The order
 is cyclic: after the last streamed block of a pass the first one of the next pass is prefetched.
 
+The weights that stay for the node (outside the blocks, and the resident blocks) go into ONE device buffer. Given a
+`Kept` (the ledger's, graph/ledger.py), that buffer outlives the node: on exit it is handed to the `Kept`, and the
+next node that streams the same model with the same resident blocks computes from it without copying them again
+(the plan counts it as a part of the model kept on the GPU between the two nodes, graph/planner.py). A kept
+buffer for other blocks is freed on entry, before anything is allocated.
+
 The module says which submodules are its blocks, in the order a forward pass calls them
 (`streamed_blocks()`), and which submodules stay in host memory (`host_only`, e.g. an embedding table looked up
 on the host). On a CPU "device" the same partition runs with plain copies, so a test can check that a
@@ -43,14 +49,32 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class Kept:
+    """The device buffer of a streamed model's resident part (weights outside the blocks and the resident blocks),
+    kept between the nodes that stream it: `blocks` says which blocks it holds, `buffer` is None when none is kept."""
+
+    def __init__(self) -> None:
+        self.blocks: tuple[int, ...] = ()
+        self.buffer: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def drop(self) -> None:
+        self.blocks, self.buffer = (), None
+
+
 class _Streamer:
-    def __init__(self, module: nn.Module, device: torch.device, resident: Collection[int]) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, resident: Collection[int],
+                 kept: Kept | None = None) -> None:
         self.device = device
         self.blocks: list[nn.Module] = list(module.streamed_blocks())
         keep = set(resident)
         bad = [i for i in keep if not 0 <= i < len(self.blocks)]
         if bad:
             raise ValueError(f"resident blocks {sorted(bad)} out of range: the model has {len(self.blocks)} blocks")
+        self.kept, self.resident = kept, tuple(sorted(keep))
         self.order = [i for i in range(len(self.blocks)) if i not in keep]  # streamed blocks, in pass order
         host_only = [getattr(module, name) for name in getattr(module, "host_only", ())]
         in_blocks = {id(t) for b in self.blocks for _, _, t in _tensors(b)}
@@ -58,13 +82,26 @@ class _Streamer:
         self.home: list[tuple[nn.Module, str, torch.Tensor]] = []  # every tensor this moves, to point back on exit
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
-        # the weights outside the blocks and the resident blocks: one copy each, now
+        # the weights outside the blocks and the resident blocks: in one buffer, copied now unless it is kept
         moved = [t for t in _tensors(module) if id(t[2]) not in in_blocks and id(t[2]) not in on_host]
-        for i in sorted(keep):
+        for i in self.resident:
             moved += _tensors(self.blocks[i])
-        for owner, name, t in moved:
-            self.home.append((owner, name, t.data))
-            t.data = t.data.to(device, non_blocking=True)
+        offsets, end = [], 0
+        for _, _, t in moved:
+            offsets.append(end)
+            end += _aligned(t.data.numel() * t.data.element_size())
+        reuse = kept is not None and kept.buffer is not None and kept.blocks == self.resident \
+            and kept.nbytes == end and kept.buffer.device == device
+        if kept is not None and not reuse:
+            kept.drop()  # another part of the model: freed before this node allocates its own
+        self.fixed = kept.buffer if reuse else torch.empty(end, dtype=torch.uint8, device=device)
+        for (owner, name, t), off in zip(moved, offsets, strict=True):
+            host = t.data
+            self.home.append((owner, name, host))
+            view = self.fixed[off:off + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
+            if not reuse:
+                view.copy_(host, non_blocking=True)
+            t.data = view
         # the streamed blocks: their tensors' places in a staging buffer
         self.layout: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # block -> (tensor, host, offset)
         size = 0
@@ -150,12 +187,20 @@ class _Streamer:
         for owner, name, host in self.home:
             getattr(owner, name).data = host
         self.buffers = []
+        if self.kept is not None:  # the resident part stays on the device for the next node that streams the model
+            self.kept.blocks, self.kept.buffer = self.resident, self.fixed
+        self.fixed = None
 
 
 @contextmanager
-def stream_blocks(module: nn.Module, device: torch.device | str, resident: Collection[int] = ()) -> Iterator[nn.Module]:
-    """`module` (weights in host memory) ready to run on `device` with only the `resident` blocks kept there."""
-    s = _Streamer(module, torch.device(device), resident)
+def stream_blocks(module: nn.Module, device: torch.device | str, resident: Collection[int] = (),
+                  kept: Kept | None = None) -> Iterator[nn.Module]:
+    """`module` (weights in host memory) ready to run on `device` with only the `resident` blocks kept there; with
+    `kept`, the resident part is taken from it when it holds the same blocks, and left in it on exit."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # as the tensors it allocates name it (a kept buffer's too)
+        device = torch.device("cuda", torch.cuda.current_device())
+    s = _Streamer(module, device, resident, kept)
     try:
         yield module
     finally:

@@ -245,10 +245,17 @@ class CLIPTextEncode:
         vg = vg or comfy_context(self)
         if vg.variant == "stream":
             emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device,
-                                           vg.check_interrupted, resident=vg.resident_blocks(clip))
+                                           vg.check_interrupted, resident=vg.resident_blocks(clip),
+                                           kept=_kept(vg, clip))
         else:
             emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text], vg.check_interrupted)
         return (conditioning(emb),)
+
+
+def _kept(vg: Any, handle: Any) -> Any:
+    """Where the engine keeps a streamed model's resident part between nodes (None in a context without one)."""
+    kept = getattr(vg, "kept_blocks", None)
+    return kept(handle) if kept is not None else None
 
 
 def _context_dim(clip: ModelInfo) -> int:
@@ -489,7 +496,7 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
         from ..models.streaming import stream_blocks
 
         kw["sequential_cfg"] = vg.variant == "stream-cfg"
-        with stream_blocks(vg.host_module(model), vg.device, vg.resident_blocks(model)) as m:
+        with stream_blocks(vg.host_module(model), vg.device, vg.resident_blocks(model), _kept(vg, model)) as m:
             out = ops.run_sampler(m, *args, **kw)
     else:
         out = ops.run_sampler(vg.module(model), *args, **kw)

@@ -15,6 +15,7 @@ from PIL import Image
 
 from ..models.qwen3 import PromptTokenizer, Qwen3Encoder, encode_prompts, encode_prompts_streamed
 from ..models.sampling import pack_references, sample
+from ..models.streaming import Kept
 from ..models.vae import Flux2VAE
 from .estimates import TILE_OVERLAP, tile_spans
 
@@ -33,10 +34,11 @@ def encode_text(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[s
 
 
 def encode_text_streamed(encoder: Qwen3Encoder, tokenizer: PromptTokenizer, texts: list[str],
-                         device: torch.device, between: Between = None, resident: tuple[int, ...] = ()) -> torch.Tensor:
+                         device: torch.device, between: Between = None, resident: tuple[int, ...] = (),
+                         kept: Kept | None = None) -> torch.Tensor:
     """The encoder's weights stay in pinned host memory and stream through `device` one layer at a time (the
-    `resident` layers are copied once for the node)."""
-    return encode_prompts_streamed(encoder, tokenizer, texts, device, between, resident).cpu()
+    `resident` layers are copied once for the node, or found in `kept` and left there)."""
+    return encode_prompts_streamed(encoder, tokenizer, texts, device, between, resident, kept).cpu()
 
 
 @torch.no_grad()

@@ -332,8 +332,9 @@ def streamed_chains(n: int, slack: float) -> tuple[nx.DiGraph, dict[str, NodeCos
 @pytest.mark.parametrize(("slack", "early"), [(0.05, False), (0.2, True), (0.7, True)])
 def test_queue_that_streams_moves_what_the_grouped_order_moves(slack: float, early: bool):
     """Four prompts whose sampler streams the transformer: the queue moves what the grouped order moves (the text
-    encoder and the VAE loaded once, every sampler its 19 resident blocks uploaded and the other 6 streamed per step),
-    and decodes each image right after its sample where the VAE costs the next sampler no block.
+    encoder and the VAE loaded once, the first sampler's 19 resident blocks uploaded once and kept on the GPU for the
+    samplers after it, the other 6 streamed per step), and decodes each image right after its sample where the VAE
+    costs the next sampler no block.
     0.05 GiB spare: the VAE (0.09 GiB) would cost a block, and decoding early would unload and reload it once per image
     (as the planner did before): the decodes wait until every image is sampled. 0.2 GiB: it sits beside the blocks,
     each image is decoded once sampled. 0.7 GiB: the sampler's least need fits beside the text encoder, which the
@@ -351,7 +352,10 @@ def test_queue_that_streams_moves_what_the_grouped_order_moves(slack: float, ear
     bp = residency.choose(blocks, budget.gpu, p.cost.h2d_pinned)
     assert len(bp.resident) == 19
     assert p.bytes_moved == MODELS["te"].nbytes + MODELS["vae"].nbytes
-    assert p.streamed_bytes == 4 * (bp.resident_bytes + bp.total_streamed)
+    assert p.streamed_bytes == bp.resident_bytes + 4 * bp.total_streamed
+    runs = [s for s in p.steps if s.blocks is not None]
+    assert [s.blocks.reused for s in runs] == [0] + [bp.resident_bytes] * 3
+    assert [s.blocks.resident for s in runs] == [bp.resident] * 4
     then = [x for i in range(4) for x in (f"sample{i}", f"decode{i}")] if early else \
         [f"{x}{i}" for x in ("sample", "decode") for i in range(4)]
     assert p.order == (*(f"enc{i}" for i in range(4)), *then)

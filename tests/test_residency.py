@@ -134,6 +134,73 @@ def test_planner_streams_when_the_model_cannot_fit() -> None:
     assert "GiB streamed" in p.table().splitlines()[-2]
 
 
+def _sample_then_decode(fits_beside: bool, budget: int = 710) -> tuple[nx.DiGraph, dict, dict, Budget, int]:
+    """`s` streams the transformer in 700 B beside a 10 B VAE; `d` then decodes with that VAE and an activation that
+    fits beside the part `s` leaves on the GPU (its fixed weights and resident blocks, R bytes), or needs all the
+    room. Returns R too.
+
+        s ──► d
+    """
+    dag, costs, models, _ = _sampler_graph(700)
+    first = planner.plan(dag, costs, models, Budget(700, 10**6), planner.CostModel(h2d_pinned=100.0 / EFF))
+    kept = next(st.blocks for st in first.steps if st.blocks is not None).resident_bytes
+    dag.add_edge("s", "d")
+    act = 710 - kept - 10 if fits_beside else 700
+    costs["d"] = NodeCost("d", "VAEDecode", (Variant("gpu", ("vae",), act, 1.0),))
+    models["vae"] = ModelCost("vae", 10, "vae")
+    return dag, costs, models, Budget(budget, 10**6), kept
+
+
+def test_a_streamed_models_resident_part_stays_for_the_next_node_that_streams_it() -> None:
+    """After `s` its resident part stays on the GPU (the decode fits beside it), so the next run's `s` uploads
+    nothing before its first pass: its bytes and its time drop by the part (R bytes at 100 B/s)."""
+    dag, costs, models, budget, kept = _sample_then_decode(fits_beside=True)
+    cm = planner.CostModel(h2d_pinned=100.0 / EFF)
+    p1 = planner.plan(dag, costs, models, budget, cm)
+    run1 = next(st for st in p1.steps if st.blocks is not None)
+    part = residency.part_key("dit", run1.blocks.resident)
+    assert run1.blocks.reused == 0 and run1.blocks.resident_bytes == kept
+    assert part in run1.resident and part in p1.end.gpu  # on the GPU from the node on, and at the end
+    assert not [st for st in p1.steps if isinstance(st.step, planner.Unload)]
+    assert p1.models[part].nbytes == kept and p1.label(part) == f"transformer ({len(run1.blocks.resident)} blocks kept)"
+    assert max(st.gpu_bytes for st in p1.steps) <= budget.gpu
+
+    p2 = planner.plan(dag, costs, models, budget, cm, p1.end)  # the next run starts where this one ended
+    run2 = next(st for st in p2.steps if st.blocks is not None)
+    assert run2.blocks.resident == run1.blocks.resident and run2.blocks.reused == kept
+    assert p2.streamed_bytes == 4 * run1.blocks.streamed_bytes  # the passes only
+    assert run2.blocks.seconds == pytest.approx(run1.blocks.seconds - kept / 100)
+    assert run2.gpu_bytes == run1.gpu_bytes + 10 and p2.loads == 0  # (the VAE stays beside it now)
+    assert "kept from before" in p2.streaming_lines()[0]
+    assert p2.end.gpu == p1.end.gpu
+
+
+def test_a_kept_part_leaves_when_a_node_needs_its_room_or_its_model_loads_whole() -> None:
+    """A decode that needs all the room pushes the part out (an Unload of the part; the next `s` uploads it again).
+    With room for the whole transformer, the part goes before the model loads whole: never both on the GPU."""
+    dag, costs, models, budget, kept = _sample_then_decode(fits_beside=False)
+    cm = planner.CostModel(h2d_pinned=100.0 / EFF)
+    p1 = planner.plan(dag, costs, models, budget, cm)
+    run1 = next(st for st in p1.steps if st.blocks is not None)
+    part = residency.part_key("dit", run1.blocks.resident)
+    unloads = [st for st in p1.steps if isinstance(st.step, planner.Unload)]
+    assert [(u.step.model, u.step.to) for u in unloads] == [(part, "pinned")] and "makes room for d" in unloads[0].note
+    assert max(st.gpu_bytes for st in p1.steps) <= budget.gpu
+    p2 = planner.plan(dag, costs, models, budget, cm, p1.end)
+    run2 = next(st for st in p2.steps if st.blocks is not None)
+    assert run2.blocks.reused == 0 and p2.streamed_bytes == kept + 4 * run2.blocks.streamed_bytes
+
+    dag, costs, models, budget, _ = _sample_then_decode(fits_beside=True)
+    p1 = planner.plan(dag, costs, models, budget, cm)
+    part = next(m for m in p1.end.gpu if residency.part_of(m) == "dit")
+    whole = planner.plan(dag, costs, models, Budget(1000, 10**6), cm, p1.end)
+    assert whole.variant_of("s") == "gpu"
+    kinds = [(st.step.kind, getattr(st.step, "model", "")) for st in whole.steps]
+    assert kinds.index(("unload", part)) < kinds.index(("load", "dit"))
+    assert not [st for st in whole.steps if part in st.resident and "dit" in st.resident]
+    assert max(st.gpu_bytes for st in whole.steps) <= 1000
+
+
 def test_planner_keeps_the_model_resident_when_it_fits() -> None:
     dag, costs, models, budget = _sampler_graph(900)
     p = planner.plan(dag, costs, models, budget, repeat=False)

@@ -115,3 +115,48 @@ def test_sequential_cfg_matches_batched(dit: Flux2Transformer) -> None:
         got = sample(m, lat, pos, sig, negative=neg, guidance=3.0, sequential_cfg=True)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert not torch.equal(sample(dit, lat, pos, sig, negative=neg, guidance=1.5), ref)  # guidance matters here
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_engine_keeps_a_streamed_models_resident_part_for_the_next_prompt(tmp_path, device: str) -> None:
+    """A 50 MiB budget streams a 10-block tiny transformer (44 MiB, beside a 41 MiB text encoder that streams too).
+    After the first prompt the sampler's resident part stays on the device (on the CPU the same code path, with plain
+    copies): the second prompt's sampler computes from that very buffer, uploads nothing before its first step, and
+    both images are bit for bit those of an engine on the same device with room for everything."""
+    import numpy as np
+    from PIL import Image
+    from safetensors.torch import save_file
+    from vramgraph.graph import residency
+    from vramgraph.graph.budget import Budget
+    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.prompts import build_prompt
+    from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
+    from vramgraph.nodes.files import Folders
+
+    models = write_tiny_models(tmp_path / "models", names=SHIPPED_NAMES)
+    torch.manual_seed(3)
+    deep = Flux2Transformer(dataclasses.replace(TINY_TRANSFORMER, depth_double=2, depth_single=8))
+    save_file({k: v.contiguous() for k, v in deep.state_dict().items()},
+              str(models / "diffusion_models" / "flux-2-klein-4b.safetensors"))
+
+    def folders(name: str) -> Folders:
+        return Folders(models=(models,), input=tmp_path, output=tmp_path / name, temp=tmp_path / "temp")
+
+    small = Engine(folders("small"), device=device, budget=Budget(gpu=50 * 2**20, host=8 * 2**30))
+    roomy = Engine(folders("roomy"), device=device)
+    buffers, reused = [], []
+    for i in range(2):
+        prompt = build_prompt(f"prompt {i}", width=64, height=64, seed=7 + i)
+        got, want = small.run(prompt), roomy.run(prompt)
+        assert np.array_equal(np.asarray(Image.open(got.images[0])), np.asarray(Image.open(want.images[0])))
+        (sampler,) = [s for s in got.plan.steps if s.blocks is not None and s.blocks.model.startswith("transformer")]
+        reused.append(sampler.blocks.reused)
+        part = residency.part_key(sampler.blocks.model, sampler.blocks.resident)
+        assert part in small.ledger.on_gpu and part in got.plan.end.gpu  # the ledger holds what the plan says
+        kept = small.ledger.kept(sampler.blocks.model)
+        assert kept.buffer.device.type == device
+        buffers.append(kept.buffer)
+        (cost,) = [m for m in small.ledger.residency().kept if m.key == part]
+        assert cost.nbytes == kept.buffer.numel() >= sampler.blocks.resident_bytes  # its real bytes, aligned
+    assert reused[0] == 0 and reused[1] == sampler.blocks.resident_bytes > 0
+    assert buffers[1] is buffers[0]  # the same buffer: the second sampler did not upload its resident part again

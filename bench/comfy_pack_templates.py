@@ -24,7 +24,8 @@ Model sets:
   text encoder at the 4B or 8B shape whatever the file holds, so the tiny VAE and encoder are refused; here the
   VAEs are random weights at the real shapes, the text encoder a zero-filled (sparse) file of Qwen3-4B's real shapes
   (ComfyUI holds it in fp16: 7.5 GiB of RAM) and the transformer the tiny one with the real encoder's context width.
-  The 9B templates need Qwen3-8B (15 GiB in fp16): add them on a machine with RAM for it.
+  The 9B templates need Qwen3-8B (15 GiB in bf16): name them with --comfy-templates and a --work of their own, on a
+  machine with RAM for it (24 GiB with nothing else running did).
 """
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ def test_sequential_cfg_matches_batched(dit: Flux2Transformer) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_engine_keeps_a_streamed_models_resident_part_for_the_next_prompt(tmp_path, device: str) -> None:
-    """A 50 MiB budget streams a 10-block tiny transformer (44 MiB, beside a 41 MiB text encoder that streams too).
+    """A 50 MiB budget (25 in bf16) streams a 10-block tiny transformer (44 MiB in fp32, beside a 41 MiB text encoder
+    that streams too).
     After the first prompt the sampler's resident part stays on the device (on the CPU the same code path, with plain
     copies): the second prompt's sampler computes from that very buffer, uploads nothing before its first step, and
     both images are bit for bit those of an engine on the same device with room for everything."""
@@ -142,7 +143,8 @@ def test_the_engine_keeps_a_streamed_models_resident_part_for_the_next_prompt(tm
     def folders(name: str) -> Folders:
         return Folders(models=(models,), input=tmp_path, output=tmp_path / name, temp=tmp_path / "temp")
 
-    small = Engine(folders("small"), device=device, budget=Budget(gpu=50 * 2**20, host=8 * 2**30))
+    mib = 50 if device == "cpu" else 25  # the same plan in fp32 (the CPU's default) and bf16 (CUDA's)
+    small = Engine(folders("small"), device=device, budget=Budget(gpu=mib * 2**20, host=8 * 2**30))
     roomy = Engine(folders("roomy"), device=device)
     buffers, reused = [], []
     for i in range(2):

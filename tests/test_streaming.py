@@ -130,6 +130,7 @@ def test_the_engine_keeps_a_streamed_models_resident_part_for_the_next_prompt(tm
     from vramgraph.graph import residency
     from vramgraph.graph.budget import Budget
     from vramgraph.graph.executor import Engine
+    from vramgraph.graph.planner import CostModel
     from vramgraph.graph.prompts import build_prompt
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes.files import Folders
@@ -143,9 +144,10 @@ def test_the_engine_keeps_a_streamed_models_resident_part_for_the_next_prompt(tm
     def folders(name: str) -> Folders:
         return Folders(models=(models,), input=tmp_path, output=tmp_path / name, temp=tmp_path / "temp")
 
-    mib = 50 if device == "cpu" else 25  # the same plan in fp32 (the CPU's default) and bf16 (CUDA's)
-    small = Engine(folders("small"), device=device, budget=Budget(gpu=mib * 2**20, host=8 * 2**30))
-    roomy = Engine(folders("roomy"), device=device)
+    mib = 50 if device == "cpu" else 25  # the same plan in fp32 (the CPU's default) and bf16 (CUDA's) ...
+    cost = CostModel()  # ... with the same costs (a CUDA engine would probe its own, and might plan otherwise)
+    small = Engine(folders("small"), device=device, budget=Budget(gpu=mib * 2**20, host=8 * 2**30), cost=cost)
+    roomy = Engine(folders("roomy"), device=device, cost=cost)
     buffers, reused = [], []
     for i in range(2):
         prompt = build_prompt(f"prompt {i}", width=64, height=64, seed=7 + i)

@@ -105,7 +105,9 @@ def timeline_data(plan: Plan) -> dict[str, Any]:
     return {
         "budget": plan.budget.gpu,
         "peak": plan.peak,
-        "models": {m: {"label": plan.label(m), "nbytes": plan.models[m].nbytes} for m in _model_order(plan)},
+        "models": {**{m: {"label": plan.label(m), "nbytes": plan.models[m].nbytes} for m in _model_order(plan)},
+                   **{m: {"label": plan.label(m), "nbytes": plan.models[m].nbytes, "part_of": part_of(m)}
+                      for m in plan.models if part_of(m)}},  # (kept parts, for the names of their unloads)
         "steps": steps,
         "streamed_bytes": plan.streamed_bytes,
     }

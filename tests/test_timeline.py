@@ -30,7 +30,7 @@ from vramgraph.graph.planner import (
     plan,
 )
 from vramgraph.graph.queue import merge
-from vramgraph.graph.timeline import ASCENT, DESCENT, image_sizes, text_width, timeline_svg
+from vramgraph.graph.timeline import ASCENT, DESCENT, LANE_H, image_sizes, text_width, timeline_svg
 from vramgraph.nodes.types import Variant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,6 +180,13 @@ def test_simple_plan_from_the_cli(tmp_path: Path) -> None:
     assert len(marks(root, "load")) == 2 and len(marks(root, "unload")) == 1
     words = " ".join("".join(t.itertext()) for t in root.iter(f"{NS}text"))
     assert "17.50 GiB streamed" in words
+    # after the sampler its 11 resident blocks stay (a kept part): drawn in the transformer's lane, named in the key
+    assert "its kept part on the GPU" in words
+    transformer = next(g for g in root.iter(f"{NS}g") if g.get("class") == "lane"
+                       and g.get("data-model", "").startswith("transformer:"))
+    cells = {r.get("data-step"): r for r in transformer.iter(f"{NS}rect") if r.get("data-step") is not None}
+    last = cells[str(max(int(k) for k in cells))]  # the save, the last step: the lower half of the lane filled
+    assert float(last.get("height")) == LANE_H / 2 - 1
     ticks = ["".join(t.itertext()) for t in root.iter(f"{NS}text") if t.get("class") == "tick"]
     assert ticks == ["0", "2", "4", "6"]  # the budget: 7.02 GiB of the 8 GiB card
     assert [t.text for t in root.iter(f"{NS}text") if t.get("class") == "axis"] == ["GPU memory (GiB)"]

@@ -187,11 +187,10 @@ class Ledger:
         base = residency.part_of(key)
         if base is not None:  # a kept part: its buffer is freed, the model's host copy stays as it is
             e = self.entries[base]
-            nbytes = e.kept.nbytes  # (whatever part is there: the plan wants the model's room back)
+            nbytes, blocks = e.kept.nbytes, len(e.kept.blocks)  # (whatever part is there: the plan wants the room)
             e.kept.drop()
             self.events.append(Event("unload", key, "pinned", 0.0, nbytes))
-            log.info("%s: its kept part (%d blocks, %.2f GiB) unloaded", e.info.label,
-                     len(residency.part_blocks(key)), nbytes / 2**30)
+            log.info("%s: its kept part (%d blocks, %.2f GiB) unloaded", e.info.label, blocks, nbytes / 2**30)
             return
         e = self.entries[key]
         t0 = time.perf_counter()

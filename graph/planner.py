@@ -406,9 +406,7 @@ class _Sizes:
 
     def keeping(self, v: Variant, part: str, room: int, bandwidth: float) -> BlockPlan | None:
         """residency.keeping for v with the blocks of the kept part `part`, once per spec, part and room."""
-        assert v.blocks is not None
-        self.choose(v, room, bandwidth)  # (makes the spec's canonical object known)
-        spec = self._spec[id(v.blocks)]
+        spec = self._canonical(v)
         key = (id(spec), part, room, bandwidth)
         if key not in self._keeping:
             self._keeping[key] = residency.keeping(spec, residency.part_blocks(part), room, bandwidth)
@@ -434,14 +432,19 @@ class _Sizes:
     def choose(self, v: Variant, room: int, bandwidth: float) -> BlockPlan | None:
         """residency.choose for the blocks of v, once per distinct spec and room: the nodes of a queue have equal
         specs in distinct objects, and the cache behind residency.choose hashes and compares a whole spec per call."""
-        assert v.blocks is not None
-        spec = self._spec.get(id(v.blocks))
-        if spec is None:
-            spec = self._spec[id(v.blocks)] = self._specs.setdefault(v.blocks, v.blocks)
+        spec = self._canonical(v)
         key = (id(spec), room, bandwidth)
         if key not in self._blocks:
             self._blocks[key] = residency.choose(spec, room, bandwidth)
         return self._blocks[key]
+
+    def _canonical(self, v: Variant) -> Any:
+        """The first spec seen equal to v's blocks (the caches above key specs by its identity)."""
+        assert v.blocks is not None
+        spec = self._spec.get(id(v.blocks))
+        if spec is None:
+            spec = self._spec[id(v.blocks)] = self._specs.setdefault(v.blocks, v.blocks)
+        return spec
 
     def alone(self, v: Variant) -> int:
         """GPU bytes a variant needs with nothing else resident."""

@@ -70,7 +70,7 @@ class BlockPlan:
     @property
     def uploaded(self) -> int:
         """Bytes copied host->GPU over the whole node: the resident part unless it was kept, and every pass."""
-        return self.resident_bytes - self.reused + self.streamed_bytes * self.passes
+        return self.resident_bytes - self.reused + self.total_streamed
 
     @property
     def total_streamed(self) -> int:

@@ -125,8 +125,7 @@ def plan_steps(engine: Engine, workflow: str, side: int, steps: int | None, leas
 
 def context_now() -> int:
     """This process's device memory outside torch's allocator: total - free - reserved."""
-    free, total = torch.cuda.mem_get_info()
-    return total - free - torch.cuda.memory_reserved()
+    return budget_mod.cuda_context(torch.cuda.current_device())
 
 
 def failure(e: BaseException) -> tuple[str, str]:
@@ -338,9 +337,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     t_start = time.perf_counter()
     cuda = not a.cpu
-    # the context a fresh process measures (graph/budget.py), before this one has run any kernel
-    # (without the BLAS workspace, which budget_for adds to the context it is given)
-    start_context = (budget_for("cuda", cap=False).outside_allocator - budget_mod.blas_workspace(0)) if cuda else None
+    # the context a fresh process measures (graph/budget.py: after cuBLAS is initialised), before this one has run
+    # any other kernel; without the BLAS workspace and the card margin, which budget_for adds to the context it is
+    # given (Budget.outside_allocator holds all three: the bench counted the margin twice up to 03574f7)
+    if cuda:
+        budget_mod.blas_workspace(0)
+    start_context = budget_mod.cuda_context(0) if cuda else None
     if a.margin_gib is not None:
         budget_mod.CARD_MARGIN = int(a.margin_gib * GiB)  # read by card_budget at every budget_for
     cards = [int(c) for c in (a.cards or DEFAULTS[a.cpu][0]).split(",")]

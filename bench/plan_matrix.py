@@ -111,7 +111,8 @@ def run_cell(engine: Engine, card: int, side: int) -> dict:
     reset(engine)
     engine.budget = budget_for("cuda", f"{card}GiB" if card else None)
     cell = {"card_gib": card or None, "side": side, "budget_gib": round(engine.budget.gpu / GiB, 3),
-            "context_gib": round(engine.budget.outside_allocator / GiB, 3), "images": []}
+            "outside_allocator_gib": round(engine.budget.outside_allocator / GiB, 3), "images": []}  # (the context,
+    #         the BLAS workspace and the card margin)
     for i in range(2):
         prompt = prompt_for(side, i)
         t0 = time.perf_counter()

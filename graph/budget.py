@@ -114,6 +114,15 @@ def blas_workspace(index: int) -> int:
     return _WORKSPACE[key]
 
 
+def cuda_context(index: int) -> int:
+    """The bytes this process holds on device `index` outside torch's allocator: the CUDA context, and whatever else
+    the driver took for it (total - free - torch's reserved; assumes no other process uses the device)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(index)
+    return max(0, total - free - torch.cuda.memory_reserved(index))
+
+
 def has_blas_workspace(index: int) -> bool:
     return (index, threading.get_ident()) in _WORKSPACE
 
@@ -147,8 +156,8 @@ def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | 
     workspace = blas_workspace(index)
     free, total = torch.cuda.mem_get_info(index)
     ours = torch.cuda.memory_reserved(index)
-    # this process's context (assumes the device is not shared), unless the caller gives it, and the BLAS workspace
-    # torch holds for the rest of the process
+    # this process's context (cuda_context), unless the caller gives it, and the BLAS workspace torch holds for the
+    # rest of the process
     outside = (max(0, total - free - ours) if context is None else context) + workspace
     if card is None:
         if cap:
@@ -195,8 +204,7 @@ def cuda_probe(device: Any) -> Probe:
 
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    free, total = torch.cuda.mem_get_info(index)
-    context = max(0, total - free - torch.cuda.memory_reserved(index))  # assumes the device is not shared yet
+    context = cuda_context(index)  # assumes the device is not shared yet
 
     def probe() -> DeviceMemory:
         free, total = torch.cuda.mem_get_info(index)

@@ -32,14 +32,15 @@ HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
 # kernel images loaded on first use. The reserve is what torch's allocator holds above the live tensors (rounding, its
 # small-block pool) when the cap presses it; the rest of its cache it releases before an allocation fails. Measured on
 # the H200 (bench/results/oom_matrix.json, all 60 cells {6, 8, 10, 12, 16} GiB x 512²-2048² x text to image, edit, base
-# with CFG, code of 2026-12-02 with a margin of 0.15 GiB and a reserve of 0.10):
+# with CFG, code of 2026-12-02 with these margins, streamed models keeping their resident parts between nodes):
 # - the context measured at the start, after cuBLAS is initialised, is 0.669 GiB and the workspace 0.031; once kernels
-#   have run the context is 0.774-0.778: it grows by 0.11 (before the cuBLAS initialisation moved into the budget it
+#   have run the context is 0.776-0.778: it grows by 0.11 (before the cuBLAS initialisation moved into the budget it
 #   measured 0.51 at the start and grew by 0.26, which the margin of 1 GiB of earlier code had to hold);
-# - torch's reserved peak stays within the budget + 0.116 GiB (the workspace included);
-# - NVML's count of this process's memory (context and allocator together) stays 0.092-0.47 GiB under the card in
-#   every cell, 0 OOM (NVML's whole-device `used` also counts 0.60 GiB the H200's driver keeps for itself, which a
-#   real card's CUDA total already leaves out). The same matrix with the reserve at 0.25 GiB: 0.197 GiB under at least.
+# - torch's reserved peak stays within the budget + 0.165 GiB (the reserve and the workspace: 0.156);
+# - NVML's count of this process's memory (context and allocator together) stays 0.074-0.47 GiB under the card in
+#   every cell, cudaMemGetInfo's 0.038 under at least, 0 OOM (NVML's whole-device `used` also counts 0.60 GiB the
+#   H200's driver keeps for itself, which a real card's CUDA total already leaves out). So a 12 GiB card plans with
+#   11.02 GiB. The earlier matrix with the reserve at 0.25 GiB: 0.197 GiB under at least.
 # A margin of 0.30 GiB without the cuBLAS initialisation in the budget had let the process pass an 8 GiB card by 0.02
 # GiB (bench/results/peer_compare_fp8.json): the context then grew by 0.26-0.30 GiB after it was measured.
 CARD_MARGIN = 160 * 2**20

@@ -47,10 +47,12 @@ Nothing is ever unloaded unless a node forces it out, and nothing is loaded befo
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
 import math
+import operator
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -362,12 +364,14 @@ class _Sizes:
         self._cache: dict[tuple[str, ...], int] = {}
         self._unique: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._blocks: dict[tuple[int, int, float], BlockPlan | None] = {}
-        self._specs: dict[Any, Any] = {}  # Blocks -> the first equal one seen
+        self._specs: dict[tuple, Any] = {}  # a Blocks' fields -> the first Blocks seen with them
+        self._of_blocks: Any = None
         self._spec: dict[int, Any] = {}  # id of a Blocks -> the first equal one seen
         self._alone: dict[int, int] = {}
         self.parts: dict[str, ModelCost] = {}  # kept parts (graph/residency.py) made by pass 3, by key
         self._base: dict[str, str | None] = {}
         self._keeping: dict[tuple[int, str, int, float], BlockPlan | None] = {}
+        self._part: dict[tuple[str, tuple[int, ...]], str] = {}
 
     def w(self, key: str) -> int:
         m = self.models.get(key)
@@ -385,7 +389,9 @@ class _Sizes:
         known to the plan; None when it leaves nothing."""
         if not bp.resident_bytes:
             return None
-        key = residency.part_key(bp.model, bp.resident)
+        key = self._part.get((bp.model, bp.resident))
+        if key is None:
+            key = self._part[(bp.model, bp.resident)] = residency.part_key(bp.model, bp.resident)
         if key not in self.models and key not in self.parts:
             label = residency.part_label(self.models[bp.model].name, bp.resident)
             self.parts[key] = ModelCost(key, bp.resident_bytes, label)
@@ -440,11 +446,19 @@ class _Sizes:
 
     def _canonical(self, v: Variant) -> Any:
         """The first spec seen equal to v's blocks (the caches above key specs by its identity)."""
-        assert v.blocks is not None
-        spec = self._spec.get(id(v.blocks))
+        b = v.blocks
+        assert b is not None
+        spec = self._spec.get(id(b))
         if spec is None:
-            spec = self._spec[id(v.blocks)] = self._specs.setdefault(v.blocks, v.blocks)
+            spec = self._spec[id(b)] = self._specs.setdefault(self.of_blocks(b), b)
         return spec
+
+    def of_blocks(self, b: Any) -> tuple:
+        """A Blocks' fields as a plain tuple (hashed and compared in C, where a dataclass's own methods build the same
+        tuple in Python)."""
+        if self._of_blocks is None:
+            self._of_blocks = operator.attrgetter(*(f.name for f in dataclasses.fields(b)))
+        return self._of_blocks(b)
 
     def alone(self, v: Variant) -> int:
         """GPU bytes a variant needs with nothing else resident."""
@@ -452,6 +466,47 @@ class _Sizes:
         if got is None:
             got = self._alone[id(v)] = self.weights(v.models) + v.activation
         return got
+
+
+def _kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, gpu: int
+           ) -> tuple[dict[str, int], dict[str, Variant]]:
+    """Each node's kind for pass 3's remembered choices, and its provisional variant (the first that fits alone).
+
+    Two nodes are of a kind exactly when their variants are equal, field by field: the key is made of plain tuples of
+    every field, which hash and compare in C (a variant's blocks by theirs, `_Sizes.of_blocks`), and nodes that hold
+    the same variant objects share it without a key. A node that lists one variant object twice is of a kind of its
+    own with the nodes that hold the same objects (a choice names its variant by its index, and so do the look
+    ahead's questions), and so is one with one variant without weights, where a key would cost more than it saves.
+    Raises PlanError at the first node that fits with no variant."""
+    of_variant = None
+    by_ids: dict[tuple[int, ...], int] = {}
+    by_key: dict[tuple, int] = {}
+    fit: list[int] = []  # per kind: the index of its first variant that fits alone
+    kinds: dict[str, int] = {}
+    prov: dict[str, Variant] = {}
+    for n in nodes:
+        vs = costs[n].variants
+        ids = tuple(map(id, vs))
+        k = by_ids.get(ids)
+        if k is None:
+            v = vs[0]
+            if len(vs) > 1 and len(set(ids)) < len(ids) or len(vs) == 1 and not v.models and not v.streams:
+                k = len(fit)  # (a node without weights: pass 3 runs it as it is unless it does not fit beside the
+                #               resident models, which is rare enough to weigh it every time)
+            else:
+                if of_variant is None:
+                    of_variant = operator.attrgetter(*(f.name for f in dataclasses.fields(v) if f.name != "blocks"))
+                key = tuple((of_variant(v), None if v.blocks is None else sizes.of_blocks(v.blocks)) for v in vs)
+                k = by_key.setdefault(key, len(fit))
+            if k == len(fit):
+                j = next((j for j, v in enumerate(vs) if sizes.alone(v) <= gpu), None)
+                if j is None:
+                    raise _cycle(dag) or _infeasible(costs[n], sizes, gpu)
+                fit.append(j)
+            by_ids[ids] = k
+        kinds[n] = k
+        prov[n] = vs[fit[k]]
+    return kinds, prov
 
 
 def _infeasible(nc: NodeCost, sizes: _Sizes, budget: int) -> PlanError:
@@ -514,11 +569,11 @@ def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[st
 def _edges(dag: nx.DiGraph, nodes: list[str]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """Each node's producers and consumers, read once for all the passes (networkx's per-node views cost more than
     the rest of a pass)."""
+    succs = {n: list(after) for n, after in dag.adjacency()}
     preds: dict[str, list[str]] = {n: [] for n in nodes}
-    succs: dict[str, list[str]] = {n: [] for n in nodes}
-    for u, v in dag.edges:
-        succs[u].append(v)
-        preds[v].append(u)
+    for u in nodes:
+        for v in succs[u]:
+            preds[v].append(u)
     return preds, succs
 
 
@@ -550,14 +605,11 @@ def _order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[str,
         return bool(missing), over > dead
 
     # ready nodes in groups of equal (models, activation, host bytes): they rank alike, earliest first in each
+    group = {n: (prov[n].models, prov[n].activation, hb[n]) for n in nodes}
     groups: dict[tuple, list[tuple[int, str]]] = {}
-
-    def add(n: str) -> None:
-        heapq.heappush(groups.setdefault((prov[n].models, prov[n].activation, hb[n]), []), (pos[n], n))
-
     for n in nodes:
         if indeg[n] == 0:
-            add(n)
+            groups.setdefault(group[n], []).append((pos[n], n))  # (in order: a heap)
     res = set(resident)
     held = sum(sizes.w(m) for m in resident)
     ranks: dict[tuple, tuple[bool, bool]] = {}  # rank(k), while the set of resident models and that of the models
@@ -576,7 +628,7 @@ def _order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[str,
             pick = heapq.heappop(groups[key])[1]
         else:  # nothing fits in host RAM: the node that leaves the least held, earliest first
             pick = min((n for h in groups.values() for _, n in h), key=lambda n: (live + hb[n] - freed(n), pos[n]))
-            key = (prov[pick].models, prov[pick].activation, hb[pick])
+            key = group[pick]
             groups[key].remove((pos[pick], pick))
             heapq.heapify(groups[key])
             log.warning("node outputs need %s GiB of host RAM at %r, above the %s GiB available",
@@ -594,7 +646,11 @@ def _order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[str,
         for n in succs[pick]:
             indeg[n] -= 1
             if indeg[n] == 0:
-                add(n)
+                h = groups.get(group[n])
+                if h is None:
+                    groups[group[n]] = [(pos[n], n)]
+                else:
+                    heapq.heappush(h, (pos[n], n))
         v = prov[pick]
         if not v.models and not v.activation:
             continue
@@ -628,8 +684,18 @@ class _Assigned:
     moved: int  # bytes copied host->GPU, as Plan.bytes_moved + Plan.streamed_bytes count them
 
     def steps(self) -> tuple[PlannedStep, ...]:
-        return tuple(PlannedStep(kind(*args), gpu, res, secs, note if isinstance(note, str) else _run_note(*note),
-                                 streams, bp) for kind, args, gpu, res, secs, note, streams, bp in self.rows)
+        notes: dict[int, str] = {}  # _run_note of each arguments tuple (the nodes of a remembered choice share one)
+
+        def text(note: str | tuple) -> str:
+            if isinstance(note, str):
+                return note
+            got = notes.get(id(note))
+            if got is None:
+                got = notes[id(note)] = _run_note(*note)
+            return got
+
+        return tuple(PlannedStep(kind(*args), gpu, res, secs, text(note), streams, bp)
+                     for kind, args, gpu, res, secs, note, streams, bp in self.rows)
 
 
 def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
@@ -645,6 +711,16 @@ def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: f
     return "; ".join(parts)
 
 
+@dataclass
+class _Memo:
+    """What the passes 3 of one plan share: each node's kind (`_kinds`), the choices remembered by kind and state
+    (`known`; None: weigh every node) and the look ahead's tables ((id(order), model) -> (order, table))."""
+
+    kinds: dict[str, int]
+    known: dict[tuple, tuple] | None = field(default_factory=dict)
+    tables: dict[tuple[int, str], tuple[list[str], list[int]]] = field(default_factory=dict)
+
+
 class _NextUse:
     """Pass 3's look ahead for evicting model m at position i: the first node after i, in this run and then (with
     `repeat`) in the next, whose variant uses m or cannot fit beside it, and its distance. The nodes after i have
@@ -652,8 +728,9 @@ class _NextUse:
     table per model answers the first part and a mark per model the second, where a walk along the order would do it
     for every eviction. Ask with positions that never go down, as pass 3 does."""
 
-    def __init__(self, order: list[str], prov: Mapping[str, Variant], sizes: _Sizes, gpu: int, repeat: bool) -> None:
-        self.order, self.prov, self.sizes, self.gpu, self.repeat = order, prov, sizes, gpu, repeat
+    def __init__(self, order: list[str], prov: Mapping[str, Variant], sizes: _Sizes, gpu: int, repeat: bool,
+                 memo: _Memo) -> None:
+        self.order, self.prov, self.sizes, self.gpu, self.repeat, self.memo = order, prov, sizes, gpu, repeat, memo
         self.ahead: dict[str, list[int]] = {}  # m -> per position, the first at or after it whose provisional variant
         #                                        meets m (len(order): none)
         self.behind: dict[str, list[Any]] = {}  # m -> [the first position whose chosen variant meets m, or None;
@@ -668,23 +745,41 @@ class _NextUse:
         return False if sizes.excludes(m, v) or sizes.weights(v.models) + sizes.w(m) + v.activation > self.gpu \
             else None
 
+    def _table(self, m: str) -> list[int]:
+        """Per position, the first at or after it whose provisional variant meets m (meets, spelled out: a kept part
+        meets the nodes that stream its model and those that load it whole); len(order) for none."""
+        order, n = self.order, len(self.order)
+        ahead = [n] * (n + 1)
+        prov, alone, room, nxt = self.prov, self.sizes.alone, self.gpu - self.sizes.w(m), n
+        base = self.sizes.base(m)
+        hit: dict[int, bool] = {}  # by kind: the nodes of a kind share their provisional variant
+        kinds = self.memo.kinds
+        for j in range(n - 1, -1, -1):
+            node = order[j]
+            h = hit.get(kinds[node])
+            if h is None:
+                v = prov[node]
+                if base is None:
+                    h = m in v.models or alone(v) > room
+                else:
+                    h = base in v.models or (v.blocks is not None and v.blocks.model == base) or alone(v) > room
+                hit[kinds[node]] = h
+            if h:
+                nxt = j
+            ahead[j] = nxt
+        return ahead
+
     def first(self, m: str, i: int, chosen: Mapping[str, Variant], cur: Variant) -> tuple[Variant, int] | None:
         """(variant, distance) of the first node after position i that meets m, `cur` (position i in the next run)
         last; None when none does."""
         order, n = self.order, len(self.order)
         ahead = self.ahead.get(m)
-        if ahead is None:  # (meets, spelled out)
-            ahead = self.ahead[m] = [n] * (n + 1)
-            prov, alone, room, nxt = self.prov, self.sizes.alone, self.gpu - self.sizes.w(m), n
-            base = self.sizes.base(m)
-            for j in range(n - 1, -1, -1):
-                v = prov[order[j]]
-                if base is None:
-                    if m in v.models or alone(v) > room:
-                        nxt = j
-                elif base in v.models or (v.blocks is not None and v.blocks.model == base) or alone(v) > room:
-                    nxt = j  # (a kept part: meets the nodes that stream its model, and those that load it whole)
-                ahead[j] = nxt
+        if ahead is None:
+            tables = self.memo.tables
+            got = tables.get((id(order), m))
+            if got is None or got[0] is not order:
+                got = tables[(id(order), m)] = order, self._table(m)
+            ahead = self.ahead[m] = got[1]
         j = ahead[i + 1]
         if j < n:
             return self.prov[order[j]], j - i
@@ -700,8 +795,15 @@ class _NextUse:
 
 
 def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budget: Budget, cm: CostModel,
-            start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool) -> _Assigned:
-    """Pass 3: residency and variants along a fixed order (see the module docstring)."""
+            start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool, memo: _Memo
+            ) -> _Assigned:
+    """Pass 3: residency and variants along a fixed order (see the module docstring).
+
+    The nodes of a queue repeat, and so do their choices: a choice depends only on the node's variants, the resident
+    models in their order (kept parts included), the pinned copies, and the look ahead's answers to the evictions it
+    priced. So they are remembered in `memo.known` (for all the passes of one plan; None: weigh every node): a node of
+    the same kind (`memo.kinds`: equal variants) in the same state takes the remembered choice once the look ahead gives the
+    same answers to the same questions (asked in the same order, so that weighing it would follow the same path)."""
     gpu = budget.gpu
     w = {k: m.nbytes for k, m in sizes.models.items()}
     w.update((k, m.nbytes) for k, m in sizes.parts.items())
@@ -718,16 +820,23 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
     moved = 0
     part_bw = cm.h2d_pinned * residency.STREAM_COPY_EFFICIENCY  # a kept part comes back with its node's upload
 
-    after = _NextUse(order, prov, sizes, gpu, repeat)
+    after = _NextUse(order, prov, sizes, gpu, repeat, memo)
+    kinds, known = memo.kinds, memo.known
+
+    asked: list[tuple[str, Variant, tuple[float, float]]] = []  # evict_cost's questions and answers for one node
 
     def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
         """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
         got = after.first(m, i, chosen, cur)
         if got is not None and sizes.uses(m, got[0]):  # (it meets m: uses it, or cannot fit beside it)
             if sizes.base(m) is not None:  # a kept part: uploaded again by the next node that streams its model
-                return w[m] / part_bw, got[1]
-            return cm.load_seconds(w[m], m in pinned), got[1]  # m is resident: pinned by now if ever
-        return 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
+                answer = w[m] / part_bw, got[1]
+            else:
+                answer = cm.load_seconds(w[m], m in pinned), got[1]  # m is resident: pinned by now if ever
+        else:
+            answer = 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
+        asked.append((m, cur, answer))
+        return answer
 
     def gone(v: Variant) -> tuple[list[str], str | None]:
         """The kept parts v frees without an eviction: those of the models it loads whole (which must leave
@@ -807,18 +916,13 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         assert best_bp is not None  # the variant's activation is its least need, which evictions made room for
         return best_t, best_out, best_bp
 
-    held = sum(w[m] for m in resident)  # bytes of the resident weights
-    now = tuple(resident)
-    for i, node in enumerate(order):
-        nc = costs[node]
-        if len(nc.variants) == 1 and not nc.variants[0].models and not nc.variants[0].streams \
-                and held + nc.variants[0].activation <= gpu:  # a host node, or one without weights: nothing moves
-            v = chosen[node] = nc.variants[0]
-            rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
-            continue
-        best: tuple[float, Variant, list[str], BlockPlan | None, float, str | None] | None = None
+    def weigh(i: int, nc: NodeCost) -> tuple[int, list[str], BlockPlan | None, str | None, float, str | tuple]:
+        """The variant of node `nc` at position i and what running it takes: (its index in nc.variants, the models to
+        unload first, its block plan if it streams, the kept part it takes over, its Run's seconds, its note or
+        _run_note's arguments)."""
+        best: tuple[float, int, list[str], BlockPlan | None, float, str | None] | None = None
         options: list[tuple[Variant, float | None]] = []
-        for v in nc.variants:
+        for k, v in enumerate(nc.variants):
             if sizes.alone(v) > gpu:
                 options.append((v, None))
                 continue
@@ -866,10 +970,43 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 t += sum(cm.load_seconds(w[m], m in pinned) for m in missing)
             options.append((v, t))
             if best is None or t < best[0]:
-                best = (t, v, out, bp, read, own)
+                best = (t, k, out, bp, read, own)
         assert best is not None  # feasibility was checked up front
-        t, v, out, bp, read, own = best
-        chosen[node] = v
+        t, k, out, bp, read, own = best
+        v = nc.variants[k]
+        note: str | tuple = v.note
+        if bp is not None or v is not nc.variants[0]:  # written out only for the steps of the plan returned
+            note = (v, nc.variants[0], bp, sizes.models[bp.model].name if bp is not None else "", t, options)
+        return k, out, bp, own, bp.seconds + read if bp is not None else cm.run_seconds(v), note
+
+    held = sum(w[m] for m in resident)  # bytes of the resident weights
+    now = tuple(resident)
+    copies = frozenset(pinned)  # `known` is by the node's kind, the resident models (in their order) and these
+    for i, node in enumerate(order):
+        nc = costs[node]
+        vs = nc.variants
+        if len(vs) == 1 and not vs[0].models and not vs[0].streams \
+                and held + vs[0].activation <= gpu:  # a host node, or one without weights: nothing moves
+            v = chosen[node] = vs[0]
+            rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
+            continue
+        key = (kinds[node], now, copies) if known is not None else None
+        got = known.get(key) if key is not None else None
+        if got is not None and got[1]:  # the same questions to the look ahead must get the same answers
+            for m, j, answer in got[1]:
+                if evict_cost(m, i, vs[j]) != answer:
+                    got = None
+                    break
+        if got is None:
+            asked.clear()
+            choice = weigh(i, nc)
+            if key is not None:
+                index = {id(x): j for j, x in enumerate(vs)}
+                known[key] = choice, tuple((m, index[id(cur)], answer) for m, cur, answer in asked)
+        else:
+            choice = got[0]
+        k, out, bp, own, secs, note = choice
+        v = chosen[node] = vs[k]
         for m in out:
             resident.remove(m)
             held -= w[m]
@@ -885,22 +1022,20 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 continue
             src = "pinned" if m in pinned else "file"
             pin = src == "file" and m in pins
-            secs = cm.load_seconds(w[m], src == "pinned")
             if pin:
                 pinned.add(m)
+                copies = frozenset(pinned)
             resident.append(m)
             held += w[m]
             now = tuple(resident)
             loads[m] += 1
             moved += w[m]
             why = f"for {node}" + (", pinned while loading" if pin else "")
-            rows.append((Load, (m, src, pin), held, now, secs, why, (), None))
+            rows.append((Load, (m, src, pin), held, now, cm.load_seconds(w[m], src == "pinned"), why, (), None))
         for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
-            if m in pins:
+            if m in pins and m not in pinned:
                 pinned.add(m)
-        note: str | tuple = v.note
-        if bp is not None or v is not nc.variants[0]:  # written out only for the steps of the plan returned
-            note = (v, nc.variants[0], bp, sizes.models[bp.model].name if bp is not None else "", t, options)
+                copies = frozenset(pinned)
         gpu_bytes = held + v.activation
         if bp is not None:
             if own is not None:  # taken over by this node: reused, or freed as it starts when its blocks differ
@@ -916,8 +1051,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                 resident.append(part)
                 held += w[part]
             now = tuple(resident)
-        rows.append((Run, (node, v.name), gpu_bytes, now, bp.seconds + read if bp is not None else cm.run_seconds(v),
-                     note, tuple(v.streams), bp))
+        rows.append((Run, (node, v.name), gpu_bytes, now, secs, note, tuple(v.streams), bp))
     kept_parts = tuple(sizes.parts.get(m) or sizes.models[m] for m in kept.values())
     end = Residency(frozenset(resident), frozenset(pinned), kept_parts)
     return _Assigned(rows, chosen, end, loads, unloaded, moved)
@@ -931,14 +1065,12 @@ def _grouped(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[st
     rank: dict[str, int] = {}
     for n in order:
         rank.setdefault(costs[n].class_type, len(rank))
-    pos = {n: i for i, n in enumerate(order)}
-
-    def key(n: str) -> tuple[int, int, str]:
+    key = {}  # each node's heap key: (-1 for a node that needs no GPU, else its class's rank; position; node)
+    for i, n in enumerate(order):
         v = prov[n]
-        return -1 if not (v.models or v.streams or v.activation) else rank[costs[n].class_type], pos[n], n
-
+        key[n] = -1 if not (v.models or v.streams or v.activation) else rank[costs[n].class_type], i, n
     indeg = {n: len(preds[n]) for n in order}
-    ready = [key(n) for n in order if not indeg[n]]
+    ready = [key[n] for n in order if not indeg[n]]
     heapq.heapify(ready)
     out: list[str] = []
     while ready:
@@ -947,7 +1079,7 @@ def _grouped(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[st
         for s in succs[n]:
             indeg[s] -= 1
             if not indeg[s]:
-                heapq.heappush(ready, key(s))
+                heapq.heappush(ready, key[s])
     return out
 
 
@@ -995,15 +1127,8 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         models = {**models, **{m.key: m for m in start.kept if m.key in start.gpu}}
     nodes = _validate(dag, costs, models, start)
     sizes = _Sizes(models)
-    prov: dict[str, Variant] = {}
-    for n in nodes:
-        nc = costs[n]
-        for v in nc.variants:
-            if sizes.alone(v) <= budget.gpu:
-                prov[n] = v
-                break
-        else:
-            raise _cycle(dag) or _infeasible(nc, sizes, budget.gpu)
+    kinds, prov = _kinds(dag, nodes, costs, sizes, budget.gpu)
+    memo = _Memo(kinds)  # what its passes 3 share
     pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
     preds, succs = _edges(dag, nodes)
     order, peak_out = _order(nodes, preds, succs, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
@@ -1014,7 +1139,7 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     # pass 1); pass 1's order stands in for the grouped one where grouping would hold more host RAM than there is
     early = FinishEarly(order, succs, prov, sizes.nbytes, budget.gpu, sorted(start.gpu))
     chosen = early(order)
-    first = _assign(chosen, costs, sizes, budget, cost, start, prov, everything, repeat)
+    first = _assign(chosen, costs, sizes, budget, cost, start, prov, everything, repeat, memo)
     streams = any(r[-1] is not None for r in first.rows)  # a row's last field: its block plan
     if max(first.loads.values(), default=0) > 1 or streams:  # else no order moves less
         host_room = max(budget.host - pinned_bytes, peak_out)  # (pass 1 may have had to go over it)
@@ -1027,7 +1152,7 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
             if cand in tried or (tight and _host_peak(cand, preds, succs, costs) > host_room):
                 continue
             tried.append(cand)
-            other = _assign(cand, costs, sizes, budget, cost, start, prov, everything, repeat)
+            other = _assign(cand, costs, sizes, budget, cost, start, prov, everything, repeat, memo)
             if other.moved < first.moved:
                 first, chosen, peak_out = other, cand, _host_peak(cand, preds, succs, costs)
     order = chosen
@@ -1041,11 +1166,12 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         evicted |= used_models  # the models cannot all stay: any of them may have to leave for a later prompt
     used = {m for n in order for v in costs[n].variants for m in v.models}
     if repeat and not used <= evicted:  # (the next run can only add candidates that are not in yet)
-        nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat)
+        nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat, memo)
         evicted |= nxt.unloaded
         evicted |= {m for v in nxt.chosen.values() for m in v.streams}
     pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
-    done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat)
-    parts = {k: sizes.parts[k] for s in done.rows for k in s[3] if k in sizes.parts}  # (a row's resident keys)
+    done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat, memo)
+    parts = {k: sizes.parts[k] for s in done.rows for k in s[3] if k in sizes.parts} if sizes.parts else {}
+    #         (a row's resident keys)
     return Plan(done.steps(), budget, {**models, **parts}, done.end, start,
                 {n: costs[n].class_type for n in nodes}, cost)

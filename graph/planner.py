@@ -473,37 +473,32 @@ def _kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
     """Each node's kind for pass 3's remembered choices, and its provisional variant (the first that fits alone).
 
     Two nodes are of a kind exactly when their variants are equal, field by field: the key is made of plain tuples of
-    every field, which hash and compare in C (a variant's blocks by theirs, `_Sizes.of_blocks`), and nodes that hold
-    the same variant objects share it without a key. A node that lists one variant object twice is of a kind of its
-    own with the nodes that hold the same objects (a choice names its variant by its index, and so do the look
+    every field, which hash and compare in C (a variant's blocks by theirs, `_Sizes.of_blocks`). A node that lists one
+    variant object twice is of a kind of its own (a choice names its variant by its index, and so do the look
     ahead's questions), and so is one with one variant without weights, where a key would cost more than it saves.
     Raises PlanError at the first node that fits with no variant."""
-    of_variant = None
-    by_ids: dict[tuple[int, ...], int] = {}
+    of_variant = of_blocks = None
     by_key: dict[tuple, int] = {}
     fit: list[int] = []  # per kind: the index of its first variant that fits alone
     kinds: dict[str, int] = {}
     prov: dict[str, Variant] = {}
     for n in nodes:
         vs = costs[n].variants
-        ids = tuple(map(id, vs))
-        k = by_ids.get(ids)
-        if k is None:
-            v = vs[0]
-            if len(vs) > 1 and len(set(ids)) < len(ids) or len(vs) == 1 and not v.models and not v.streams:
-                k = len(fit)  # (a node without weights: pass 3 runs it as it is unless it does not fit beside the
-                #               resident models, which is rare enough to weigh it every time)
-            else:
-                if of_variant is None:
-                    of_variant = operator.attrgetter(*(f.name for f in dataclasses.fields(v) if f.name != "blocks"))
-                key = tuple((of_variant(v), None if v.blocks is None else sizes.of_blocks(v.blocks)) for v in vs)
-                k = by_key.setdefault(key, len(fit))
-            if k == len(fit):
-                j = next((j for j, v in enumerate(vs) if sizes.alone(v) <= gpu), None)
-                if j is None:
-                    raise _cycle(dag) or _infeasible(costs[n], sizes, gpu)
-                fit.append(j)
-            by_ids[ids] = k
+        v = vs[0]
+        if len(vs) == 1 and not v.models and not v.streams or len(vs) > 1 and len(set(map(id, vs))) < len(vs):
+            k = len(fit)  # (one without weights: pass 3 runs it as it is unless it does not fit beside the resident
+            #               models, which is rare enough to weigh it every time)
+        else:
+            if of_variant is None:
+                of_variant = operator.attrgetter(*(f.name for f in dataclasses.fields(v) if f.name != "blocks"))
+                of_blocks = sizes.of_blocks
+            key = tuple([(of_variant(u), u.blocks and of_blocks(u.blocks)) for u in vs])
+            k = by_key.setdefault(key, len(fit))
+        if k == len(fit):
+            j = next((j for j, u in enumerate(vs) if sizes.alone(u) <= gpu), None)
+            if j is None:
+                raise _cycle(dag) or _infeasible(costs[n], sizes, gpu)
+            fit.append(j)
         kinds[n] = k
         prov[n] = vs[fit[k]]
     return kinds, prov

@@ -14,7 +14,10 @@ import networkx as nx
 import pytest
 from vramgraph.graph import residency
 from vramgraph.graph.early import FinishEarly
-from vramgraph.graph.planner import ModelCost, _edges, _NextUse, _Sizes
+from pathlib import Path
+
+from vramgraph.graph import planner
+from vramgraph.graph.planner import ModelCost, _edges, _Memo, _NextUse, _Sizes
 from vramgraph.nodes.types import Blocks, Variant
 
 MB = 10**6
@@ -286,7 +289,12 @@ def test_next_use_is_the_walk_along_the_order(seed: int, repeat: bool) -> None:
     order = [f"n{j}" for j in range(n)]
     prov = {x: rng.choice(pool) for x in order}
     gpu = rng.choice((80, 100, 150, 300))
-    after = _NextUse(order, prov, sizes, gpu, repeat)
+    memo = _Memo({x: pool.index(prov[x]) for x in order})  # a kind per provisional variant, as plan() makes them
+    if seed % 2:  # tables made by an earlier pass over the same order (plan() shares them)
+        earlier = _NextUse(order, prov, sizes, gpu, repeat, memo)
+        for m in WEIGHTS:
+            earlier.first(m, 0, {}, pool[0])
+    after = _NextUse(order, prov, sizes, gpu, repeat, memo)
     chosen: dict[str, Variant] = {}
 
     def walk(m: str, i: int, cur: Variant) -> tuple[Variant, int] | None:
@@ -306,3 +314,56 @@ def test_next_use_is_the_walk_along_the_order(seed: int, repeat: bool) -> None:
                 if got is not None:
                     assert got[0] is want[0] and got[1] == want[1], (m, i)
         chosen[x] = prov[x] if rng.random() < 0.7 else rng.choice(pool)
+
+
+# ------------------------------------------------------------------------------------------ pass 3's remembered choices
+
+
+def _steps(p: planner.Plan) -> list:
+    return [(s.step, s.gpu_bytes, s.resident, s.seconds, s.note, s.streams, s.blocks) for s in p.steps]
+
+
+@pytest.mark.parametrize(("workflow", "card_gib", "side", "host"), [
+    ("text_to_image.json", 6, 512, "64GiB"), ("core_text_to_image.json", 6, 512, "64GiB"),
+    ("text_to_image.json", 6, 1024, "64GiB"), ("edit.json", 8, 1024, "64GiB"), ("multi_reference.json", 6, 512, "64GiB"),
+    ("text_to_image_base.json", 8, 2048, "64GiB"), ("core_text_to_image.json", 10, 2048, "64GiB"),
+    ("edit.json", 12, 1536, "64GiB"), ("text_to_image.json", 16, 2048, "64GiB"),
+    ("text_to_image.json", 12, 1024, "HOST"), ("edit.json", 8, 1024, "HOST")])
+def test_remembered_choices_are_the_choices_of_weighing_every_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   workflow: str, card_gib: int, side: int,
+                                                                   host: str) -> None:
+    """A queue of 8 prompts of a shipped workflow on the cards where it streams, evicts, or keeps all, with host RAM
+    for every pinned copy or (HOST) for the transformer's alone: the plan whose passes 3 remember their choices
+    (graph/planner.py `_assign`) is, step for step and note for note, the plan that weighs every node, from an empty
+    GPU, from the residency the first plan leaves (kept parts and all) and without repeat. (At 6 GiB and 512² a
+    remembered choice that the look ahead's answers did not confirm would change the queue's plan.)"""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import plan_cells
+    from vramgraph.graph import estimate, queue as queue_mod
+
+    monkeypatch.setattr(plan_cells, "INPUT", tmp_path / "input")
+    plan_cells.demo_inputs()
+    planning = plan_cells.planning_for(card_gib, None, "9GiB" if host == "HOST" else host)
+    prompts = plan_cells.prompts_for(workflow, side, 8)
+    prep = planning.prepare(queue_mod.merge(prompts, frozenset({"VGSaveImage", "SaveImage"})).prompt)
+    node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
+    costs = {k: node_costs[k] for k in prep.dag.nodes}
+
+    def plans() -> list:
+        first = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
+        warm = planner.plan(prep.dag, costs, models, planning.budget, planning.cost, first.end)
+        once = planner.plan(prep.dag, costs, models, planning.budget, planning.cost, repeat=False)
+        return [(_steps(p), p.end) for p in (first, warm, once)]
+
+    remembered = plans()
+    calls = []
+    weigh_all = planner._assign
+
+    def every_node(*args):  # the same pass with nothing remembered
+        memo = args[-1]
+        calls.append(len(memo.known or ()))
+        return weigh_all(*args[:-1], _Memo(memo.kinds, None, memo.tables))
+
+    monkeypatch.setattr(planner, "_assign", every_node)
+    assert plans() == remembered
+    assert calls  # (the passes ran through the patch)

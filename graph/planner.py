@@ -54,7 +54,7 @@ import logging
 import math
 import operator
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -70,6 +70,9 @@ if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, neve
 GiB = 2**30
 DEFAULT_RESERVE = 128 * 2**20  # what torch's allocator holds above the live tensors (graph/budget.py: measured)
 _INF = math.inf
+_PINNING = ", pinned while loading"  # a Load's note, after the node it is for, where it makes a pinned copy
+_SHORTCUTS = True  # pass 3's remembered choices and the passes plan() leaves out where they would change nothing;
+#                    False: every node weighed, every pass run (tests/test_fast_paths.py compares the plans)
 log = logging.getLogger(__name__)
 
 
@@ -677,6 +680,7 @@ class _Assigned:
     loads: Counter[str]
     unloaded: set[str]  # models an Unload step frees
     moved: int  # bytes copied host->GPU, as Plan.bytes_moved + Plan.streamed_bytes count them
+    weighed: set[str]  # models whose eviction was priced (evict_cost asked)
 
     def steps(self) -> tuple[PlannedStep, ...]:
         notes: dict[int, str] = {}  # _run_note of each arguments tuple (the nodes of a remembered choice share one)
@@ -691,6 +695,19 @@ class _Assigned:
 
         return tuple(PlannedStep(kind(*args), gpu, res, secs, text(note), streams, bp)
                      for kind, args, gpu, res, secs, note, streams, bp in self.rows)
+
+    def repinned(self, pins: frozenset[str]) -> _Assigned:
+        """This pass, made with every model pinned once loaded, as the same order gets it with only `pins` (which hold
+        the start's pinned copies): its Loads of the other models make no copy, and the end keeps only those of `pins`.
+
+        Valid where no model outside `pins` is unloaded, streamed or weighed for eviction in this pass (plan() checks):
+        pass 3 asks whether a model has a pinned copy only to price its reload, its stream or its eviction, and a model
+        outside `pins` has a copy here only once loaded; loaded, it stays, so nothing asks, and every choice is the
+        same."""
+        rows = [(Load, (r[1][0], "file", False), r[2], r[3], r[4], r[5].removesuffix(_PINNING), r[6], r[7])
+                if r[0] is Load and r[1][2] and r[1][0] not in pins else r for r in self.rows]
+        end = Residency(self.end.gpu, self.end.pinned & pins, self.end.kept)
+        return _Assigned(rows, self.chosen, end, self.loads, self.unloaded, self.moved, self.weighed)
 
 
 def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
@@ -812,6 +829,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
     rows: list[tuple] = []
     loads: Counter[str] = Counter()
     unloaded: set[str] = set()
+    weighed: set[str] = set()
     moved = 0
     part_bw = cm.h2d_pinned * residency.STREAM_COPY_EFFICIENCY  # a kept part comes back with its node's upload
 
@@ -822,6 +840,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
 
     def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
         """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
+        weighed.add(m)
         got = after.first(m, i, chosen, cur)
         if got is not None and sizes.uses(m, got[0]):  # (it meets m: uses it, or cannot fit beside it)
             if sizes.base(m) is not None:  # a kept part: uploaded again by the next node that streams its model
@@ -1025,7 +1044,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             now = tuple(resident)
             loads[m] += 1
             moved += w[m]
-            why = f"for {node}" + (", pinned while loading" if pin else "")
+            why = f"for {node}" + (_PINNING if pin else "")
             rows.append((Load, (m, src, pin), held, now, cm.load_seconds(w[m], src == "pinned"), why, (), None))
         for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
             if m in pins and m not in pinned:
@@ -1049,7 +1068,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         rows.append((Run, (node, v.name), gpu_bytes, now, secs, note, tuple(v.streams), bp))
     kept_parts = tuple(sizes.parts.get(m) or sizes.models[m] for m in kept.values())
     end = Residency(frozenset(resident), frozenset(pinned), kept_parts)
-    return _Assigned(rows, chosen, end, loads, unloaded, moved)
+    return _Assigned(rows, chosen, end, loads, unloaded, moved, weighed)
 
 
 def _grouped(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[str, list[str]],
@@ -1076,6 +1095,27 @@ def _grouped(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[st
             if not indeg[s]:
                 heapq.heappush(ready, key[s])
     return out
+
+
+def _all_fit(kinds: Iterable[tuple[Variant, ...]], sizes: _Sizes, gpu: int, resident: Residency) -> bool:
+    """Whether pass 3 from `resident` surely unloads no model and streams none (`kinds`: the variants of each kind of
+    node): the variants it weighs need models that fit on the GPU together, beside what is resident (kept parts too)
+    and the largest of their activations (it evicts only for a variant that does not fit), and none of them streams.
+    It never weighs a variant that streams a model another variant of its node holds whole: that one fits and is
+    free."""
+    weighed = []
+    for vs in kinds:
+        for v in vs:
+            if sizes.alone(v) > gpu:
+                continue
+            if v.streams or v.blocks is not None:
+                if v.blocks is None or not any(u.blocks is None and sizes.alone(u) <= gpu
+                                               and set(v.streams) <= set(u.models) for u in vs):
+                    return False
+                continue
+            weighed.append(v)
+    held = {m for v in weighed for m in v.models} | resident.gpu
+    return sum(sizes.w(m) for m in held) + max((v.activation for v in weighed), default=0) <= gpu
 
 
 def _host_peak(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[str, list[str]],
@@ -1123,7 +1163,7 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     nodes = _validate(dag, costs, models, start)
     sizes = _Sizes(models)
     kinds, prov = _kinds(dag, nodes, costs, sizes, budget.gpu)
-    memo = _Memo(kinds)  # what its passes 3 share
+    memo = _Memo(kinds, {} if _SHORTCUTS else None)  # what its passes 3 share
     pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
     preds, succs = _edges(dag, nodes)
     order, peak_out = _order(nodes, preds, succs, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
@@ -1159,13 +1199,23 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen.values()), default=0) \
             > budget.gpu:
         evicted |= used_models  # the models cannot all stay: any of them may have to leave for a later prompt
-    used = {m for n in order for v in costs[n].variants for m in v.models}
-    if repeat and not used <= evicted:  # (the next run can only add candidates that are not in yet)
+    kinds = {}  # a node of each kind: their variants are all the variants of the plan
+    for n, k in memo.kinds.items():
+        kinds.setdefault(k, costs[n].variants)
+    used = {m for vs in kinds.values() for v in vs for m in v.models}
+    # (the next run can only add candidates that are not in yet, and none where it surely moves nothing)
+    if repeat and not used <= evicted and not (_SHORTCUTS and _all_fit(kinds.values(), sizes, budget.gpu, first.end)):
         nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat, memo)
         evicted |= nxt.unloaded
         evicted |= {m for v in nxt.chosen.values() for m in v.streams}
     pins = _choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
-    done = first if used <= pins else _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat, memo)
+    if used <= pins:
+        done = first
+    elif _SHORTCUTS and evicted <= pins and first.weighed <= pins:  # the copies left out change no choice
+        #                                                                  (_Assigned.repinned)
+        done = first.repinned(pins)
+    else:
+        done = _assign(order, costs, sizes, budget, cost, start, prov, pins, repeat, memo)
     parts = {k: sizes.parts[k] for s in done.rows for k in s[3] if k in sizes.parts} if sizes.parts else {}
     #         (a row's resident keys)
     return Plan(done.steps(), budget, {**models, **parts}, done.end, start,

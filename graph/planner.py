@@ -35,7 +35,9 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    by the farthest next use (Belady). Afterwards any evicted model that still fits is kept. With
    `repeat=True`, "next use" looks past the end of the run into the same sequence run again (the next
    image), so the end state is what the next run wants. Each node gets the variant with the least predicted
-   time = variant seconds + loads of its missing models + reloads its evictions cause.
+   time = variant seconds + loads of its missing models + reloads its evictions cause; variants within `TIE`
+   (0.1 %) of the least count as equally fast, and of those the one that copies the fewest bytes host->GPU wins
+   (its note says so).
    A node that streams a model block by block leaves its resident part (the weights outside the blocks and its
    resident blocks) on the GPU as a *kept part* (graph/residency.py `part_key`), a model of its own in the
    residency: evicted like any other (its reload is its upload by the next node that streams the model), taken
@@ -71,6 +73,9 @@ GiB = 2**30
 DEFAULT_RESERVE = 128 * 2**20  # what torch's allocator holds above the live tensors (graph/budget.py: measured)
 _INF = math.inf
 _PINNING = ", pinned while loading"  # a Load's note, after the node it is for, where it makes a pinned copy
+TIE = 0.001  # variants whose predicted seconds are this close (relative) count as equally fast: the one that copies
+#              fewer bytes host->GPU wins (a stream that copies 1.5x the bytes for 0.01 % less predicted time is
+#              within the prediction's error, and its bytes are real: the link's power and other processes' copies)
 _SHORTCUTS = True  # pass 3's remembered choices and the passes plan() leaves out where they would change nothing;
 #                    False: every node weighed, every pass run (tests/test_fast_paths.py compares the plans)
 log = logging.getLogger(__name__)
@@ -711,15 +716,19 @@ class _Assigned:
 
 
 def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
-              options: list[tuple[Variant, float | None]]) -> str:
-    """A Run's note: the variant's own, what it streams, and what it was chosen over when it is not the first."""
+              options: list[tuple[Variant, float | None]], tie: tuple[str, float, int] | None) -> str:
+    """A Run's note: the variant's own, what it streams, what it was chosen over when it is not the first, and, where
+    it is not the fastest, the near tie that it won by copying fewer bytes (`tie`: the fastest's name, seconds, and
+    the bytes more it copies)."""
     parts = [v.note] if v.note else []
     if bp is not None:
         parts.append(bp.describe(label))
-    if v is not first:
+    if v is not first or tie:
         alts = ", ".join([f"{a.name}: does not fit" if ta is None else f"{a.name}: {ta:.3f} s"
                           for a, ta in options if a is not v])
         parts.append(f"chosen at {t:.3f} s over {alts}")
+    if tie:
+        parts.append(f"{tie[0]} is within {TIE:.1%} of it and would copy {_gib(tie[2])} GiB more")
     return "; ".join(parts)
 
 
@@ -934,7 +943,8 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         """The variant of node `nc` at position i and what running it takes: (its index in nc.variants, the models to
         unload first, its block plan if it streams, the kept part it takes over, its Run's seconds, its note or
         _run_note's arguments)."""
-        best: tuple[float, int, list[str], BlockPlan | None, float, str | None] | None = None
+        cands: list[tuple[float, int, int, list[str], BlockPlan | None, float, str | None]] = []  # (seconds, bytes
+        #                                            copied, index, evictions, block plan, first read, kept part taken)
         options: list[tuple[Variant, float | None]] = []
         for k, v in enumerate(nc.variants):
             if sizes.alone(v) > gpu:
@@ -983,14 +993,19 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             if missing:
                 t += sum(cm.load_seconds(w[m], m in pinned) for m in missing)
             options.append((v, t))
-            if best is None or t < best[0]:
-                best = (t, k, out, bp, read, own)
-        assert best is not None  # feasibility was checked up front
-        t, k, out, bp, read, own = best
+            copied = need + (bp.uploaded if bp is not None else sum(w[m] for m in v.streams))
+            cands.append((t, copied, k, out, bp, read, own))
+        assert cands  # feasibility was checked up front
+        best = fastest = min(cands, key=lambda c: c[0])  # (the first of equals)
+        if len(cands) > 1:  # a near tie in predicted time goes to the option that copies fewer bytes
+            best = min((c for c in cands if c[0] <= fastest[0] * (1 + TIE) and c[1] < fastest[1]),
+                       key=lambda c: (c[1], c[0], c[2]), default=fastest)
+        tie = None if best is fastest else (nc.variants[fastest[2]].name, fastest[0], fastest[1] - best[1])
+        t, _, k, out, bp, read, own = best
         v = nc.variants[k]
         note: str | tuple = v.note
-        if bp is not None or v is not nc.variants[0]:  # written out only for the steps of the plan returned
-            note = (v, nc.variants[0], bp, sizes.models[bp.model].name if bp is not None else "", t, options)
+        if bp is not None or v is not nc.variants[0] or tie:  # written out only for the steps of the plan returned
+            note = (v, nc.variants[0], bp, sizes.models[bp.model].name if bp is not None else "", t, options, tie)
         return k, out, bp, own, bp.seconds + read if bp is not None else cm.run_seconds(v), note
 
     held = sum(w[m] for m in resident)  # bytes of the resident weights

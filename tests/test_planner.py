@@ -21,7 +21,9 @@ from xml.etree import ElementTree
 import networkx as nx
 import pytest
 from vramgraph.graph.planner import (
+    TIE,
     Budget,
+    CostModel,
     GiB,
     Load,
     ModelCost,
@@ -221,6 +223,30 @@ def test_cpu_variant_only_when_cheaper(host: float, cpu_s: float, expected_varia
         assert steps(p) == [Load("dit", **pin), Run("sample", "gpu"), Unload("dit", to), Load("vae", **pin),
                             Run("decode", "gpu")]
         assert p.steps[-1].note == ""
+
+
+@pytest.mark.parametrize(("slower", "expected"), [(1.0005, "cpu"), (1.002, "gpu")])
+def test_a_near_tie_goes_to_the_variant_that_copies_fewer_bytes(slower: float, expected: str):
+    """The decode alone on a 10 GiB card: "gpu" loads the VAE from its file (it copies 0.09 GiB), "cpu" copies
+    nothing. At 0.05 % more predicted time "cpu" counts as equally fast and wins, and its note says what it won
+    over; at 0.2 % more the faster "gpu" wins."""
+    gpu = Variant("gpu", ("vae",), gib(2.38), 0.086)
+    t_gpu = CostModel().run_seconds(gpu) + CostModel().load_seconds(MODELS["vae"].nbytes, False)
+    assert 1.0005 < 1 + TIE < 1.002
+    cpu = Variant("cpu", (), 0, t_gpu * slower, "decodes on the CPU")
+    p = plan(_one("decode"), {"decode": decode("decode", variants=(gpu, cpu))}, MODELS, card(10))
+    assert p.variant_of("decode") == expected
+    if expected == "cpu":
+        assert p.loads == 0
+        assert p.steps[-1].note.endswith("gpu is within 0.1% of it and would copy 0.09 GiB more")
+    else:
+        assert p.loads == 1 and p.steps[-1].note == ""
+
+
+def _one(node: str) -> nx.DiGraph:
+    dag = nx.DiGraph()
+    dag.add_node(node)
+    return dag
 
 
 def test_tiled_decode_when_the_reload_is_slow():

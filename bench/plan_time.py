@@ -1,47 +1,109 @@
 """The planner's time for a queue of prompts, on the CPU: `planner.plan` alone (validation and estimates apart).
 
-    python3 bench/plan_time.py [--prompts 64] [--card 12] [--side 1024] [--repeat 60] [workflow.json ...]
+    python3 bench/plan_time.py [--prompts 64] [--cards 12] [--sizes 1024] [--repeat 60] [--out OUT.json]
+                               [--against OLD_CHECKOUT] [workflow.json ...]
 
-CPU time (time.process_time) of each call, min and median over --repeat calls, so that other jobs on a shared
-machine inflate it less than wall time would. Issue 13's bar: <= 5 ms for 64 queued prompts.
+CPU time (time.process_time) of each call, after a garbage collection, min and median over --repeat calls, so that
+other jobs on a shared machine inflate it less than wall time would. Issue 13's bar: <= 5 ms for 64 queued prompts.
+`--cards 6,8,10` and `--sizes 1024,2048` plan every combination; `all` as the only workflow: every shipped one.
+
+`--against DIR`: the planner of another checkout of this repository (e.g. `git worktree add /tmp/old <commit>`) plans
+the same inputs in the same process, call for call alternately with this one, and each cell reports the ratio of the
+two minimums: on a machine whose speed drifts (the 2-core CI machine) the ratio is steadier than either time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
+import importlib
 import json
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import plan_cells
+
+
+def _other_planner(checkout: str):
+    """graph/planner.py of `checkout`, imported as the package `vg_against` (the planner imports only its own
+    package's residency and early modules and plain dataclasses, so the inputs of this checkout serve it)."""
+    link = Path(tempfile.mkdtemp()) / "vg_against"
+    link.symlink_to(Path(checkout).resolve(), target_is_directory=True)
+    sys.path.insert(0, str(link.parent))
+    return importlib.import_module("vg_against.graph.planner")
+
+
+def _timed(call, repeat: int) -> list[float]:
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        t0 = time.process_time()
+        call()
+        times.append(time.process_time() - t0)
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("workflows", nargs="*", default=["text_to_image.json", "edit.json"])
     ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--card", type=int, default=12)
-    ap.add_argument("--side", type=int, default=1024)
+    ap.add_argument("--cards", "--card", default="12")
+    ap.add_argument("--sizes", "--side", default="1024")
     ap.add_argument("--repeat", type=int, default=60)
+    ap.add_argument("--against", default=None, help="another checkout whose planner is timed alongside")
+    ap.add_argument("--out", default=None, help="also write the rows and a summary as JSON")
     a = ap.parse_args()
     plan_cells._import()
     from vramgraph.graph import estimate, planner, queue
 
+    other = _other_planner(a.against) if a.against else None
     plan_cells.demo_inputs()
-    planning = plan_cells.planning_for(a.card, None)
-    for wf in a.workflows:
-        merged = queue.merge(plan_cells.prompts_for(wf, a.side, a.prompts), frozenset({"VGSaveImage", "SaveImage"}))
-        prep = planning.prepare(merged.prompt)
-        node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
-        costs = {k: node_costs[k] for k in prep.dag.nodes}
-        times = []
-        for _ in range(a.repeat):
-            t0 = time.process_time()
-            p = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
-            times.append(time.process_time() - t0)
-        print(json.dumps({"workflow": wf, "prompts": a.prompts, "card_gib": a.card, "side": a.side,
-                          "nodes": len(prep.dag), "loads": p.loads, "min_ms": round(min(times) * 1e3, 2),
-                          "median_ms": round(statistics.median(times) * 1e3, 2)}))
+    workflows = list(plan_cells.WORKFLOWS) if a.workflows == ["all"] else a.workflows
+    rows = []
+    for card in [int(c) for c in a.cards.split(",")]:
+        planning = plan_cells.planning_for(card, None)
+        for wf in workflows:
+            for side in [int(s) for s in a.sizes.split(",")]:
+                merged = queue.merge(plan_cells.prompts_for(wf, side, a.prompts), frozenset({"VGSaveImage", "SaveImage"}))
+                prep = planning.prepare(merged.prompt)
+                node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
+                costs = {k: node_costs[k] for k in prep.dag.nodes}
+                p = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
+                row = {"workflow": wf, "prompts": a.prompts, "card_gib": card, "side": side, "nodes": len(prep.dag),
+                       "loads": p.loads}
+                if other is None:
+                    times = _timed(lambda: planner.plan(prep.dag, costs, models, planning.budget, planning.cost),
+                                   a.repeat)
+                else:
+                    budget = other.Budget(**{f.name: getattr(planning.budget, f.name)
+                                             for f in dataclasses.fields(planning.budget)})
+                    cost = other.CostModel(**{f.name: getattr(planning.cost, f.name)
+                                              for f in dataclasses.fields(planning.cost)})
+                    times, theirs = [], []
+                    for _ in range(a.repeat):  # alternately, so that both see the same drift
+                        times += _timed(lambda: planner.plan(prep.dag, costs, models, planning.budget, planning.cost), 1)
+                        theirs += _timed(lambda: other.plan(prep.dag, costs, models, budget, cost), 1)
+                    row.update(against_min_ms=round(min(theirs) * 1e3, 2),
+                               against_median_ms=round(statistics.median(theirs) * 1e3, 2),
+                               over_against=round(min(times) / min(theirs), 3))
+                row.update(min_ms=round(min(times) * 1e3, 2), median_ms=round(statistics.median(times) * 1e3, 2))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    summary = {"cells": len(rows), "min_ms_max": max(r["min_ms"] for r in rows),
+               "min_ms_median": statistics.median(r["min_ms"] for r in rows),
+               "cells_min_over_5ms": sum(r["min_ms"] > 5 for r in rows),
+               "cells_median_over_5ms": sum(r["median_ms"] > 5 for r in rows)}
+    if other is not None:
+        summary.update(over_against_median=statistics.median(r["over_against"] for r in rows),
+                       over_against_max=max(r["over_against"] for r in rows),
+                       against_cells_min_over_5ms=sum(r["against_min_ms"] > 5 for r in rows))
+    print(json.dumps(summary, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows, "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import importlib
 import json
@@ -68,28 +69,30 @@ def main() -> None:
         planning = plan_cells.planning_for(card, None)
         for wf in workflows:
             for side in [int(s) for s in a.sizes.split(",")]:
-                merged = queue.merge(plan_cells.prompts_for(wf, side, a.prompts), frozenset({"VGSaveImage", "SaveImage"}))
+                merged = queue.merge(plan_cells.prompts_for(wf, side, a.prompts),
+                                     frozenset({"VGSaveImage", "SaveImage"}))
                 prep = planning.prepare(merged.prompt)
                 node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
                 costs = {k: node_costs[k] for k in prep.dag.nodes}
-                p = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
+                ours = functools.partial(planner.plan, prep.dag, costs, models, planning.budget, planning.cost)
+                p = ours()
                 row = {"workflow": wf, "prompts": a.prompts, "card_gib": card, "side": side, "nodes": len(prep.dag),
                        "loads": p.loads}
                 if other is None:
-                    times = _timed(lambda: planner.plan(prep.dag, costs, models, planning.budget, planning.cost),
-                                   a.repeat)
+                    times = _timed(ours, a.repeat)
                 else:
                     budget = other.Budget(**{f.name: getattr(planning.budget, f.name)
                                              for f in dataclasses.fields(planning.budget)})
                     cost = other.CostModel(**{f.name: getattr(planning.cost, f.name)
                                               for f in dataclasses.fields(planning.cost)})
-                    times, theirs = [], []
+                    theirs = functools.partial(other.plan, prep.dag, costs, models, budget, cost)
+                    times, against = [], []
                     for _ in range(a.repeat):  # alternately, so that both see the same drift
-                        times += _timed(lambda: planner.plan(prep.dag, costs, models, planning.budget, planning.cost), 1)
-                        theirs += _timed(lambda: other.plan(prep.dag, costs, models, budget, cost), 1)
-                    row.update(against_min_ms=round(min(theirs) * 1e3, 2),
-                               against_median_ms=round(statistics.median(theirs) * 1e3, 2),
-                               over_against=round(min(times) / min(theirs), 3))
+                        times += _timed(ours, 1)
+                        against += _timed(theirs, 1)
+                    row.update(against_min_ms=round(min(against) * 1e3, 2),
+                               against_median_ms=round(statistics.median(against) * 1e3, 2),
+                               over_against=round(min(times) / min(against), 3))
                 row.update(min_ms=round(min(times) * 1e3, 2), median_ms=round(statistics.median(times) * 1e3, 2))
                 rows.append(row)
                 print(json.dumps(row), flush=True)

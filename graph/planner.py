@@ -493,7 +493,7 @@ def _kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
     for n in nodes:
         vs = costs[n].variants
         v = vs[0]
-        if len(vs) == 1 and not v.models and not v.streams or len(vs) > 1 and len(set(map(id, vs))) < len(vs):
+        if (len(vs) == 1 and not v.models and not v.streams) or (len(vs) > 1 and len(set(map(id, vs))) < len(vs)):
             k = len(fit)  # (one without weights: pass 3 runs it as it is unless it does not fit beside the resident
             #               models, which is rare enough to weigh it every time)
         else:
@@ -823,8 +823,9 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
     The nodes of a queue repeat, and so do their choices: a choice depends only on the node's variants, the resident
     models in their order (kept parts included), the pinned copies, and the look ahead's answers to the evictions it
     priced. So they are remembered in `memo.known` (for all the passes of one plan; None: weigh every node): a node of
-    the same kind (`memo.kinds`: equal variants) in the same state takes the remembered choice once the look ahead gives the
-    same answers to the same questions (asked in the same order, so that weighing it would follow the same path)."""
+    the same kind (`memo.kinds`: equal variants) in the same state takes the remembered choice once the look ahead
+    gives the same answers to the same questions (asked in the same order, so that weighing it would follow the same
+    path)."""
     gpu = budget.gpu
     w = {k: m.nbytes for k, m in sizes.models.items()}
     w.update((k, m.nbytes) for k, m in sizes.parts.items())

@@ -1,6 +1,8 @@
 """The planner's fast paths against the straightforward computations they replaced, exactly (==, not approx), on
 grids of cases: the streaming pipeline's time and the choice of resident blocks (graph/residency.py), the pass that
-finishes images early (graph/early.py) and pass 3's look ahead for evictions (graph/planner.py `_NextUse`).
+finishes images early (graph/early.py), pass 3's look ahead for evictions (graph/planner.py `_NextUse`), and the
+plans of real queues with pass 3's remembered choices and the passes left out against every node weighed and every
+pass run (`planner._SHORTCUTS`).
 
 The references below are the earlier code, kept as it was: slow and obvious. Pure (no torch); no timing here.
 """
@@ -9,14 +11,12 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import networkx as nx
 import pytest
-from vramgraph.graph import residency
+from vramgraph.graph import planner, residency
 from vramgraph.graph.early import FinishEarly
-from pathlib import Path
-
-from vramgraph.graph import planner
 from vramgraph.graph.planner import ModelCost, _edges, _Memo, _NextUse, _Sizes
 from vramgraph.nodes.types import Blocks, Variant
 
@@ -325,7 +325,8 @@ def _steps(p: planner.Plan) -> list:
 
 @pytest.mark.parametrize(("workflow", "card_gib", "side", "host"), [
     ("text_to_image.json", 6, 512, "64GiB"), ("core_text_to_image.json", 6, 512, "64GiB"),
-    ("text_to_image.json", 6, 1024, "64GiB"), ("edit.json", 8, 1024, "64GiB"), ("multi_reference.json", 6, 512, "64GiB"),
+    ("text_to_image.json", 6, 1024, "64GiB"), ("edit.json", 8, 1024, "64GiB"),
+    ("multi_reference.json", 6, 512, "64GiB"),
     ("text_to_image_base.json", 8, 2048, "64GiB"), ("core_text_to_image.json", 10, 2048, "64GiB"),
     ("edit.json", 12, 1536, "64GiB"), ("text_to_image.json", 16, 2048, "64GiB"),
     ("text_to_image.json", 12, 1024, "HOST"), ("edit.json", 8, 1024, "HOST"), ("text_to_image.json", 24, 1024, "64GiB"),
@@ -342,7 +343,8 @@ def test_remembered_choices_are_the_choices_of_weighing_every_node(tmp_path: Pat
     answers did not confirm would change the queue's plan.)"""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import plan_cells
-    from vramgraph.graph import estimate, queue as queue_mod
+    from vramgraph.graph import estimate
+    from vramgraph.graph import queue as queue_mod
 
     monkeypatch.setattr(plan_cells, "INPUT", tmp_path / "input")
     plan_cells.demo_inputs()

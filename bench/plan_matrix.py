@@ -110,9 +110,9 @@ def prompt_for(side: int, i: int) -> dict:
 def run_cell(engine: Engine, card: int, side: int) -> dict:
     reset(engine)
     engine.budget = budget_for("cuda", f"{card}GiB" if card else None)
+    # outside_allocator: the context, the BLAS workspace and the card margin, which the budget leaves out
     cell = {"card_gib": card or None, "side": side, "budget_gib": round(engine.budget.gpu / GiB, 3),
-            "outside_allocator_gib": round(engine.budget.outside_allocator / GiB, 3), "images": []}  # (the context,
-    #         the BLAS workspace and the card margin)
+            "outside_allocator_gib": round(engine.budget.outside_allocator / GiB, 3), "images": []}
     for i in range(2):
         prompt = prompt_for(side, i)
         t0 = time.perf_counter()

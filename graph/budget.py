@@ -159,7 +159,7 @@ def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | 
     ours = torch.cuda.memory_reserved(index)
     # this process's context (cuda_context), unless the caller gives it, and the BLAS workspace torch holds for the
     # rest of the process
-    outside = (max(0, total - free - ours) if context is None else context) + workspace
+    outside = (cuda_context(index) if context is None else context) + workspace
     if card is None:
         if cap:
             torch.cuda.set_per_process_memory_fraction(1.0, index)  # undo an earlier cap in this process

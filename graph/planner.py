@@ -468,6 +468,11 @@ class _Sizes:
             self._of_blocks = operator.attrgetter(*(f.name for f in dataclasses.fields(b)))
         return self._of_blocks(b)
 
+    def holds(self, u: Variant, v: Variant, gpu: int) -> bool:
+        """Whether u, a variant that fits alone, holds whole the models v streams (pass 3 streams only a model that
+        cannot stay)."""
+        return u.blocks is None and self.alone(u) <= gpu and set(v.streams) <= set(u.models)
+
     def alone(self, v: Variant) -> int:
         """GPU bytes a variant needs with nothing else resident."""
         got = self._alone.get(id(v))
@@ -962,7 +967,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
                     continue
             if v.blocks is not None:  # streaming is for a model that cannot stay: not when it can
                 for u in nc.variants:
-                    if u.blocks is None and sizes.alone(u) <= gpu and set(v.streams) <= set(u.models) and free(i, u):
+                    if sizes.holds(u, v, gpu) and free(i, u):
                         break
                 else:
                     u = None
@@ -1022,6 +1027,7 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
             continue
         key = (kinds[node], now, copies) if known is not None else None
         got = known.get(key) if key is not None else None
+        asked.clear()
         if got is not None and got[1]:  # the same questions to the look ahead must get the same answers
             for m, j, answer in got[1]:
                 if evict_cost(m, i, vs[j]) != answer:
@@ -1125,8 +1131,7 @@ def _all_fit(kinds: Iterable[tuple[Variant, ...]], sizes: _Sizes, gpu: int, resi
             if sizes.alone(v) > gpu:
                 continue
             if v.streams or v.blocks is not None:
-                if v.blocks is None or not any(u.blocks is None and sizes.alone(u) <= gpu
-                                               and set(v.streams) <= set(u.models) for u in vs):
+                if v.blocks is None or not any(sizes.holds(u, v, gpu) for u in vs):
                     return False
                 continue
             weighed.append(v)
@@ -1215,12 +1220,13 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen.values()), default=0) \
             > budget.gpu:
         evicted |= used_models  # the models cannot all stay: any of them may have to leave for a later prompt
-    kinds = {}  # a node of each kind: their variants are all the variants of the plan
-    for n, k in memo.kinds.items():
-        kinds.setdefault(k, costs[n].variants)
-    used = {m for vs in kinds.values() for v in vs for m in v.models}
+    variants = {}  # the variants of a node of each kind: all the variants of the plan
+    for n, k in kinds.items():
+        variants.setdefault(k, costs[n].variants)
+    used = {m for vs in variants.values() for v in vs for m in v.models}
     # (the next run can only add candidates that are not in yet, and none where it surely moves nothing)
-    if repeat and not used <= evicted and not (_SHORTCUTS and _all_fit(kinds.values(), sizes, budget.gpu, first.end)):
+    if repeat and not used <= evicted and not (_SHORTCUTS and _all_fit(variants.values(), sizes, budget.gpu,
+                                                                       first.end)):
         nxt = _assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat, memo)
         evicted |= nxt.unloaded
         evicted |= {m for v in nxt.chosen.values() for m in v.streams}

@@ -1,7 +1,7 @@
 """The planner's time for a queue of prompts, on the CPU: `planner.plan` alone (validation and estimates apart).
 
     python3 bench/plan_time.py [--prompts 64] [--cards 12] [--sizes 1024] [--repeat 60] [--out OUT.json]
-                               [--against OLD_CHECKOUT] [workflow.json ...]
+                               [--against OLD_CHECKOUT] [--prepare N] [workflow.json ...]
 
 CPU time (time.process_time) of each call, after a garbage collection, min and median over --repeat calls, so that
 other jobs on a shared machine inflate it less than wall time would. Issue 13's bar: <= 5 ms for 64 queued prompts.
@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=60)
     ap.add_argument("--against", default=None, help="another checkout whose planner is timed alongside")
     ap.add_argument("--out", default=None, help="also write the rows and a summary as JSON")
+    ap.add_argument("--prepare", type=int, default=0, help="calls of the whole of planning to time (0: none)")
     a = ap.parse_args()
     plan_cells._import()
     from vramgraph.graph import estimate, planner, queue
@@ -94,6 +95,9 @@ def main() -> None:
                                against_median_ms=round(statistics.median(against) * 1e3, 2),
                                over_against=round(min(times) / min(against), 3))
                 row.update(min_ms=round(min(times) * 1e3, 2), median_ms=round(statistics.median(times) * 1e3, 2))
+                if a.prepare:
+                    whole = _timed(functools.partial(planning.prepare, merged.prompt), a.prepare)
+                    row.update(prepare_min_ms=round(min(whole) * 1e3, 2))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = {"cells": len(rows), "min_ms_max": max(r["min_ms"] for r in rows),

@@ -486,27 +486,38 @@ def _kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], siz
     """Each node's kind for pass 3's remembered choices, and its provisional variant (the first that fits alone).
 
     Two nodes are of a kind exactly when their variants are equal, field by field: the key is made of plain tuples of
-    every field, which hash and compare in C (a variant's blocks by theirs, `_Sizes.of_blocks`). A node that lists one
-    variant object twice is of a kind of its own (a choice names its variant by its index, and so do the look
-    ahead's questions), and so is one with one variant without weights, where a key would cost more than it saves.
+    every field, which hash and compare in C (a variant's blocks by theirs, `_Sizes.of_blocks`), and nodes that list
+    the same variant objects are of a kind without that key (a queue's nodes do: nodes/estimates.py). A node that
+    lists one variant object twice is of a kind of its own (a choice names its variant by its index, and so do the
+    look ahead's questions), and so is one with one variant without weights, where a key would cost more than it
+    saves.
     Raises PlanError at the first node that fits with no variant."""
     of_variant = of_blocks = None
     by_key: dict[tuple, int] = {}
+    by_ids: dict[tuple[int, ...], int] = {}  # the same variant objects: the same kind, without a look at their fields
+    #                                          (the estimates of a queue's nodes share them, nodes/estimates.py)
     fit: list[int] = []  # per kind: the index of its first variant that fits alone
     kinds: dict[str, int] = {}
     prov: dict[str, Variant] = {}
     for n in nodes:
         vs = costs[n].variants
         v = vs[0]
-        if (len(vs) == 1 and not v.models and not v.streams) or (len(vs) > 1 and len(set(map(id, vs))) < len(vs)):
+        if len(vs) == 1 and not v.models and not v.streams:
             k = len(fit)  # (one without weights: pass 3 runs it as it is unless it does not fit beside the resident
             #               models, which is rare enough to weigh it every time)
         else:
-            if of_variant is None:
-                of_variant = operator.attrgetter(*(f.name for f in dataclasses.fields(v) if f.name != "blocks"))
-                of_blocks = sizes.of_blocks
-            key = tuple([(of_variant(u), u.blocks and of_blocks(u.blocks)) for u in vs])
-            k = by_key.setdefault(key, len(fit))
+            ids = tuple(map(id, vs))
+            k = by_ids.get(ids) if _SHORTCUTS else None
+            if k is None:
+                if len(set(ids)) < len(ids):
+                    k = len(fit)
+                else:
+                    if of_variant is None:
+                        of_variant = operator.attrgetter(*(f.name for f in dataclasses.fields(v)
+                                                           if f.name != "blocks"))
+                        of_blocks = sizes.of_blocks
+                    key = tuple([(of_variant(u), u.blocks and of_blocks(u.blocks)) for u in vs])
+                    k = by_ids[ids] = by_key.setdefault(key, len(fit))
         if k == len(fit):
             j = next((j for j, u in enumerate(vs) if sizes.alone(u) <= gpu), None)
             if j is None:
@@ -556,6 +567,7 @@ def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[st
         return _cycle(dag) or ValueError(message)
 
     nodes = list(dag.nodes)
+    seen: set[int] = set()  # variants checked (a queue's nodes share theirs)
     for n in nodes:
         nc = costs.get(n)
         if nc is None:
@@ -563,6 +575,9 @@ def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[st
         if not nc.variants:
             raise fault(f"node {n!r} ({nc.class_type}) has no variants: give it at least one")
         for v in nc.variants:
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
             for m in v.models:
                 if m not in models:
                     raise fault(f"node {n!r} ({nc.class_type}) variant {v.name!r} needs model {m!r}, "
@@ -681,6 +696,17 @@ def _order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[str,
     return order, peak
 
 
+def _made(cls: type, fields: dict[str, Any]) -> Any:
+    """`cls(**fields)` for a frozen dataclass without __post_init__ whose `fields` are all of its fields: half the
+    time of its __init__, which sets each field through object.__setattr__ (a 64-prompt plan makes a thousand)."""
+    made = object.__new__(cls)
+    made.__dict__.update(fields)
+    return made
+
+
+_FIELDS = {kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in (Load, Unload, Run)}
+
+
 @dataclass
 class _Assigned:
     rows: list[tuple]  # each step as (Run/Load/Unload, its fields, then PlannedStep's other fields, the note perhaps
@@ -703,7 +729,9 @@ class _Assigned:
                 got = notes[id(note)] = _run_note(*note)
             return got
 
-        return tuple(PlannedStep(kind(*args), gpu, res, secs, text(note), streams, bp)
+        return tuple(_made(PlannedStep, {"step": _made(kind, dict(zip(_FIELDS[kind], args, strict=True))),
+                                         "gpu_bytes": gpu, "resident": res, "seconds": secs, "note": text(note),
+                                         "streams": streams, "blocks": bp})
                      for kind, args, gpu, res, secs, note, streams, bp in self.rows)
 
     def repinned(self, pins: frozenset[str]) -> _Assigned:
@@ -820,6 +848,22 @@ class _NextUse:
         return (cur, n) if self.meets(m, cur) is not None else None
 
 
+def _alike(known: tuple[tuple[str, int, tuple[float, float]], ...],
+           asked: list[tuple[str, Variant, tuple[float, float]]]) -> bool:
+    """Whether the look ahead's answers `asked` (reload seconds, distance to the next use), whose seconds equal those
+    of the remembered answers `known` one by one, order every pair of equal seconds by distance as `known` does. Pass
+    3 uses a distance only for that, to rank evictions of equal cost (the farthest next use first), so a node of a
+    queue whose next use is one node nearer than the last one's takes the same choice."""
+    for x in range(len(asked)):
+        for y in range(x + 1, len(asked)):
+            (c, d), (_, e) = known[x][2], known[y][2]
+            if c == known[y][2][0]:
+                f, g = asked[x][2][1], asked[y][2][1]
+                if (d > e) != (f > g) or (d < e) != (f < g):
+                    return False
+    return True
+
+
 def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budget: Budget, cm: CostModel,
             start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool, memo: _Memo
             ) -> _Assigned:
@@ -829,8 +873,8 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
     models in their order (kept parts included), the pinned copies, and the look ahead's answers to the evictions it
     priced. So they are remembered in `memo.known` (for all the passes of one plan; None: weigh every node): a node of
     the same kind (`memo.kinds`: equal variants) in the same state takes the remembered choice once the look ahead
-    gives the same answers to the same questions (asked in the same order, so that weighing it would follow the same
-    path)."""
+    gives answers alike to the same questions (asked in the same order, so that weighing it would follow the same
+    path): the same reload seconds, and distances that rank alike (`_alike`)."""
     gpu = budget.gpu
     w = {k: m.nbytes for k, m in sizes.models.items()}
     w.update((k, m.nbytes) for k, m in sizes.parts.items())
@@ -1028,11 +1072,14 @@ def _assign(order: list[str], costs: Mapping[str, NodeCost], sizes: _Sizes, budg
         key = (kinds[node], now, copies) if known is not None else None
         got = known.get(key) if key is not None else None
         asked.clear()
-        if got is not None and got[1]:  # the same questions to the look ahead must get the same answers
+        if got is not None and got[1]:  # the same questions to the look ahead must get answers alike (_alike)
             for m, j, answer in got[1]:
-                if evict_cost(m, i, vs[j]) != answer:
+                if evict_cost(m, i, vs[j])[0] != answer[0]:
                     got = None
                     break
+            else:
+                if len(asked) > 1 and not _alike(got[1], asked):
+                    got = None
         if got is None:
             asked.clear()
             choice = weigh(i, nc)

@@ -9,13 +9,17 @@ Times are only used to choose between variants (GPU, tiled, CPU decode), never a
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..models import flux2_config, qwen3_config
 from ..models.dtypes import COMPUTE, itemsize
 from .types import Blocks, CondInfo, LatentInfo, ModelInfo, Variant
 
 GiB = 2**30
+T = TypeVar("T")
 MARGIN = 1.04
 
 # Fitted by `nodes.calibration.fit` on the H200 measurements in bench/results/calibrate.json (bf16 and fp32, SDPA,
@@ -132,6 +136,25 @@ def fp8_transient(model: ModelInfo, item: int) -> int:
     return getattr(spec, "quant_largest", 0) * item if spec is not None else 0
 
 
+def _per_model(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn(model, *args)` once per model info (by identity: infos are frozen, and the one a loader gives is the one its
+    consumers get) and args: the nodes of a queue of prompts share their estimates, one object per kind of node,
+    where 64 prompts would otherwise compute and hold 64 equal ones (and the planner compare them field by field)."""
+    done: dict[tuple, tuple[ModelInfo, T]] = {}
+
+    @functools.wraps(fn)
+    def once(model: ModelInfo, *args: Any) -> T:
+        key = (id(model), *args)
+        got = done.get(key)
+        if got is None or got[0] is not model:
+            if len(done) >= 256:  # infos of models no longer loaded
+                done.clear()
+            got = done[key] = model, fn(model, *args)
+        return got[1]
+
+    return once
+
+
 def _grouped(shapes: dict[str, tuple[int, ...]], prefixes: tuple[str, ...], nbytes: int) -> tuple[list[int], int]:
     """Bytes of each block (parameters named `prefix<i>.`, in the order of `prefixes` then i) and of the rest,
     scaled so that all of them add up to the model's `nbytes` (its stored item size)."""
@@ -149,23 +172,39 @@ def _grouped(shapes: dict[str, tuple[int, ...]], prefixes: tuple[str, ...], nbyt
     return [math.ceil(n * per) for n in sizes.values()], math.ceil(rest * per)
 
 
-def _block_sizes(model: ModelInfo, shapes: dict[str, tuple[int, ...]], prefixes: tuple[str, ...]
-                 ) -> tuple[list[int], int]:
+_BLOCK_SIZES: dict[tuple[int, tuple[str, ...]], tuple[ModelInfo, tuple[tuple[int, ...], int]]] = {}  # by the
+#   model info's identity (held, so that the id stays its own): a queue's encodes and samplers share their loader's
+
+
+def _block_sizes(model: ModelInfo, shapes_of: Callable[[Any], dict[str, tuple[int, ...]]], prefixes: tuple[str, ...]
+                 ) -> tuple[tuple[int, ...], int]:
     """Each block's bytes as stored (fp8 layers at 1 byte, models/loading.py's block_bytes) and the rest's, in the
-    order of `prefixes` then index; without a file's spec, the parameter shapes scaled to the model's bytes."""
+    order of `prefixes` then index; without a file's spec, the parameter shapes (`shapes_of(model.config)`) scaled to
+    the model's bytes. Once per model info: the infos are frozen, and the nodes of a 64-prompt queue would otherwise
+    spend most of their estimate here."""
+    key = (id(model), prefixes)
+    got = _BLOCK_SIZES.get(key)
+    if got is not None and got[0] is model:
+        return got[1]
     have = model.spec.block_bytes(model.dtype) if hasattr(model.spec, "block_bytes") else {}
     if not have:
-        return _grouped(shapes, prefixes, model.nbytes)
-    order = {p: i for i, p in enumerate(prefixes)}
+        sizes, rest = _grouped(shapes_of(model.config), prefixes, model.nbytes)
+    else:
+        order = {p: i for i, p in enumerate(prefixes)}
 
-    def key(name: str) -> tuple[int, int]:
-        head, _, index = name.rpartition(".")
-        return order[head + "."], int(index)
+        def key_of(name: str) -> tuple[int, int]:
+            head, _, index = name.rpartition(".")
+            return order[head + "."], int(index)
 
-    names = sorted((n for n in have if any(n.startswith(p) for p in prefixes)), key=key)
-    return [have[n] for n in names], sum(b for n, b in have.items() if n not in names)
+        names = sorted((n for n in have if any(n.startswith(p) for p in prefixes)), key=key_of)
+        sizes, rest = [have[n] for n in names], sum(b for n, b in have.items() if n not in names)
+    if len(_BLOCK_SIZES) >= 64:  # infos of models no longer loaded
+        _BLOCK_SIZES.clear()
+    got = _BLOCK_SIZES[key] = model, (tuple(sizes), rest)
+    return got[1]
 
 
+@_per_model
 def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...]:
     """Resident on the GPU, or streamed layer by layer from pinned host memory (the plan keeps some layers on the
     GPU for the node when there is room; the embedding stays in host memory)."""
@@ -176,7 +215,7 @@ def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...
     gpu = Variant("gpu", (model.key,), _margin(act), TE_SECONDS_PER_PROMPT * batch)
     if cfg is None or not model.nbytes:
         return (gpu,)
-    sizes, _ = _block_sizes(model, qwen3_config.parameter_shapes(cfg), ("layers.",))
+    sizes, _ = _block_sizes(model, qwen3_config.parameter_shapes, ("layers.",))
     per_layer = TE_SECONDS_PER_PROMPT * batch / len(sizes)
     blocks = Blocks(model.key, tuple(sizes), (per_layer,) * len(sizes), 0,
                     _margin(act + batch * tokens * hidden * item * 4), 1, "encode")
@@ -185,6 +224,7 @@ def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...
     return (gpu, stream)
 
 
+@_per_model
 def text_encode_cpu(model: ModelInfo, batch: int) -> Variant:
     """The text encode on the CPU (CLIPLoader device "cpu"): no GPU memory, the weights in host memory."""
     seconds = CPU_TEXT_ENCODE_SECONDS_PER_PROMPT * batch * _param_scale_te(model)
@@ -220,6 +260,7 @@ def sampling(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch
     return sampling_variants(model, latent, positive, cfg_batch, steps)[0]
 
 
+@_per_model
 def sampling_variants(model: ModelInfo, latent: LatentInfo, positive: CondInfo, cfg_batch: int,
                       steps: int) -> tuple[Variant, ...]:
     """The transformer resident ("gpu"), or streamed block by block from its pinned host copy with the blocks
@@ -243,7 +284,7 @@ def sampling_variants(model: ModelInfo, latent: LatentInfo, positive: CondInfo, 
     gpu = Variant("gpu", (model.key,), _margin(act), seconds)
     if cfg is None or not model.nbytes:
         return (gpu,)
-    sizes, fixed = _block_sizes(model, flux2_config.parameter_shapes(cfg), ("double_blocks.", "single_blocks."))
+    sizes, fixed = _block_sizes(model, flux2_config.parameter_shapes, ("double_blocks.", "single_blocks."))
     scale = batch * (hidden / 3072) ** 2
     double = (DIT_DOUBLE_SECONDS_PER_TOKEN * tokens + DIT_DOUBLE_SECONDS_PER_TOKEN2 * tokens**2) * scale
     single = (DIT_SINGLE_SECONDS_PER_TOKEN * tokens + DIT_SINGLE_SECONDS_PER_TOKEN2 * tokens**2) * scale
@@ -283,6 +324,7 @@ def _encoder_width(model: ModelInfo) -> int:
     return model.config.channels[0] if model.config is not None else 128
 
 
+@_per_model
 def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Variant, ...]:
     """Full GPU decode, tiled GPU decode, and CPU decode (the last resort, priced honestly)."""
     item = _itemsize(model.dtype)
@@ -302,6 +344,7 @@ def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Variant, ...]:
     return tuple(options)
 
 
+@_per_model
 def vae_encode(model: ModelInfo, batch: int, height: int, width: int) -> Variant:
     item = _itemsize(model.dtype)
     pixels = batch * height * width

@@ -377,6 +377,84 @@ def test_remembered_choices_are_the_choices_of_weighing_every_node(tmp_path: Pat
     assert not any(passes[:n]) and all(passes[n:]) and len(passes) >= n  # (None: nothing remembered)
 
 
+def test_a_remembered_eviction_is_weighed_again_where_the_next_uses_rank_the_other_way() -> None:
+    """Two nodes of a kind (the same variant) meet the same state, P and Q resident and pinned, and each must evict
+    one of them, at equal reload cost: the one used later goes. The first node's look ahead finds P one node away and
+    Q two; the second's finds Q one away and P two. The costs agree, so only the ranking of the distances can tell
+    that the remembered choice (evict Q) is wrong for the second node (graph/planner.py `_alike`)."""
+    g = MB * 1000
+    models = {m: ModelCost(m, n, m) for m, n in (("P", g), ("Q", g), ("X", 3 * g))}
+    x = Variant("gpu", ("X",), 10 * MB, 1.0)  # one object: both nodes of its kind
+    uses = {"k1": x, "a": Variant("gpu", ("P",), 10 * MB, 1.0), "b": Variant("gpu", ("P", "Q"), 10 * MB, 1.0),
+            "k2": x, "c": Variant("gpu", ("Q",), 10 * MB, 1.0), "e": Variant("gpu", ("P",), 10 * MB, 1.0)}
+    dag = nx.DiGraph()
+    nx.add_path(dag, list(uses))  # one order: k1 a b k2 c e
+    costs = {n: planner.NodeCost(n, "Node", (v,)) for n, v in uses.items()}
+    budget = planner.Budget(int(4.5 * g), 64 * 2**30)
+    start = planner.Residency(frozenset({"P", "Q"}), frozenset({"P", "Q", "X"}))
+
+    def unloads() -> list[tuple[str, str]]:
+        p = planner.plan(dag, costs, models, budget, planner.CostModel(), start, repeat=False)
+        return [(s.note.split()[-2], s.step.model) for s in p.steps if s.step.kind == "unload"]
+
+    got = unloads()
+    assert ("k1", "Q") in got and ("k2", "P") in got  # the later used goes, at each
+    shortcuts = planner._SHORTCUTS
+    try:
+        planner._SHORTCUTS = False
+        assert unloads() == got
+    finally:
+        planner._SHORTCUTS = shortcuts
+
+
+def test_kinds_by_the_same_objects_are_kinds_by_equal_fields() -> None:
+    """`_kinds` takes nodes that list the same variant objects for one kind without comparing fields: only all of them
+    the same, in the same order, makes it so; equal objects that are not the same are of a kind by their fields."""
+    import dataclasses
+
+    models = {"M": ModelCost("M", 100 * MB, "M"), "N": ModelCost("N", 100 * MB, "N")}
+    v1, v2, v3 = Variant("gpu", ("M",), MB, 1.0), Variant("gpu", ("N",), MB, 1.0), Variant("gpu", ("N",), 2 * MB, 1.0)
+    lists = {"a": (v1, v2), "b": (v1, v3), "c": (v1, v2), "d": (dataclasses.replace(v1), dataclasses.replace(v2)),
+             "e": (v2, v1), "f": (v1, v1)}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(lists)
+    costs = {n: planner.NodeCost(n, "Node", vs) for n, vs in lists.items()}
+    kinds, _ = planner._kinds(dag, list(lists), costs, _Sizes(models), 10**12)
+    assert kinds["a"] == kinds["c"] == kinds["d"]
+    assert len({kinds[n] for n in "abef"}) == 4
+
+
+def test_a_queues_nodes_share_their_estimates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimates of a queue's repeated nodes are one object per kind of node (nodes/estimates.py `_per_model`),
+    which the planner takes for one kind at a glance; a new model info (a file replaced) gets new ones."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import plan_cells
+    from vramgraph.graph import estimate
+    from vramgraph.graph import queue as queue_mod
+
+    monkeypatch.setattr(plan_cells, "INPUT", tmp_path / "input")
+    plan_cells.demo_inputs()
+    planning = plan_cells.planning_for(8, None)
+    prep = planning.prepare(queue_mod.merge(plan_cells.prompts_for("edit.json", 1024, 4),
+                                            frozenset({"VGSaveImage", "SaveImage"})).prompt)
+    node_costs, _ = estimate.planner_inputs(prep.prompt, prep.costs)
+    by_class: dict[str, set[tuple[int, ...]]] = {}
+    for nc in node_costs.values():
+        if any(v.models or v.streams for v in nc.variants):
+            by_class.setdefault(nc.class_type, set()).add(tuple(map(id, nc.variants)))
+    assert {"VGTextEncode", "VGSampler", "VGVAEDecode", "VGReferenceImage"} <= set(by_class)
+    assert all(len(ids) == 1 for ids in by_class.values()), by_class
+    import dataclasses
+
+    from vramgraph.nodes import estimates
+    from vramgraph.nodes.types import LatentInfo
+
+    vae = next(m for c in prep.costs.values() for m in c.outputs if getattr(m, "kind", None) == "vae")
+    again = dataclasses.replace(vae, source=vae.source + " (replaced)")
+    assert estimates.vae_decode(vae, LatentInfo(1, 64, 64)) is estimates.vae_decode(vae, LatentInfo(1, 64, 64))
+    assert estimates.vae_decode(again, LatentInfo(1, 64, 64)) is not estimates.vae_decode(vae, LatentInfo(1, 64, 64))
+
+
 ALL_FIT: list[bool] = []  # each answer of _all_fit in the test above, for the test below
 
 

@@ -172,20 +172,13 @@ def _grouped(shapes: dict[str, tuple[int, ...]], prefixes: tuple[str, ...], nbyt
     return [math.ceil(n * per) for n in sizes.values()], math.ceil(rest * per)
 
 
-_BLOCK_SIZES: dict[tuple[int, tuple[str, ...]], tuple[ModelInfo, tuple[tuple[int, ...], int]]] = {}  # by the
-#   model info's identity (held, so that the id stays its own): a queue's encodes and samplers share their loader's
-
-
+@_per_model
 def _block_sizes(model: ModelInfo, shapes_of: Callable[[Any], dict[str, tuple[int, ...]]], prefixes: tuple[str, ...]
                  ) -> tuple[tuple[int, ...], int]:
     """Each block's bytes as stored (fp8 layers at 1 byte, models/loading.py's block_bytes) and the rest's, in the
     order of `prefixes` then index; without a file's spec, the parameter shapes (`shapes_of(model.config)`) scaled to
-    the model's bytes. Once per model info: the infos are frozen, and the nodes of a 64-prompt queue would otherwise
-    spend most of their estimate here."""
-    key = (id(model), prefixes)
-    got = _BLOCK_SIZES.get(key)
-    if got is not None and got[0] is model:
-        return got[1]
+    the model's bytes. Once per model info (`_per_model`): the nodes of a 64-prompt queue would otherwise spend most of
+    their estimate here."""
     have = model.spec.block_bytes(model.dtype) if hasattr(model.spec, "block_bytes") else {}
     if not have:
         sizes, rest = _grouped(shapes_of(model.config), prefixes, model.nbytes)
@@ -198,10 +191,7 @@ def _block_sizes(model: ModelInfo, shapes_of: Callable[[Any], dict[str, tuple[in
 
         names = sorted((n for n in have if any(n.startswith(p) for p in prefixes)), key=key_of)
         sizes, rest = [have[n] for n in names], sum(b for n, b in have.items() if n not in names)
-    if len(_BLOCK_SIZES) >= 64:  # infos of models no longer loaded
-        _BLOCK_SIZES.clear()
-    got = _BLOCK_SIZES[key] = model, (tuple(sizes), rest)
-    return got[1]
+    return tuple(sizes), rest
 
 
 @_per_model

@@ -30,8 +30,8 @@ import plan_cells
 
 
 def _other_planner(checkout: str):
-    """graph/planner.py of `checkout`, imported as the package `vg_against` (the planner imports only its own
-    package's residency and early modules and plain dataclasses, so the inputs of this checkout serve it)."""
+    """graph/planner.py of `checkout`, imported as the package `vg_against` (the planner imports only its own pure
+    modules and plain dataclasses, so the inputs of this checkout serve it)."""
     link = Path(tempfile.mkdtemp()) / "vg_against"
     link.symlink_to(Path(checkout).resolve(), target_is_directory=True)
     sys.path.insert(0, str(link.parent))

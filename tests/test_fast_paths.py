@@ -1,6 +1,6 @@
 """The planner's fast paths against the straightforward computations they replaced, exactly (==, not approx), on
 grids of cases: the streaming pipeline's time and the choice of resident blocks (graph/residency.py), the pass that
-finishes images early (graph/early.py), pass 3's look ahead for evictions (graph/planner.py `_NextUse`), and the
+finishes images early (graph/early.py), pass 3's look ahead for evictions (graph/assign.py `NextUse`), and the
 plans of real queues with pass 3's remembered choices and the passes left out against every node weighed and every
 pass run (`planner._SHORTCUTS`).
 
@@ -15,9 +15,12 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
-from vramgraph.graph import planner, residency
+from vramgraph.graph import assign, planner, residency
+from vramgraph.graph.assign import Memo, NextUse
 from vramgraph.graph.early import FinishEarly
-from vramgraph.graph.planner import ModelCost, _edges, _Memo, _NextUse, _Sizes
+from vramgraph.graph.order import edges
+from vramgraph.graph.planner import ModelCost
+from vramgraph.graph.sizes import Sizes, all_fit, node_kinds
 from vramgraph.nodes.types import Blocks, Variant
 
 MB = 10**6
@@ -268,7 +271,7 @@ def test_finish_early_is_the_plain_pass(seed: int) -> None:
     for order in orders(rng, dag):
         for gpu in (80, 90, 100, 140, 170, 250):
             start = rng.sample(sorted(WEIGHTS), rng.randint(0, 2))
-            early = FinishEarly(list(nx.topological_sort(dag)), _edges(dag, list(dag))[1], prov, WEIGHTS, gpu, start)
+            early = FinishEarly(list(nx.topological_sort(dag)), edges(dag, list(dag))[1], prov, WEIGHTS, gpu, start)
             assert early(order) == plain_finish_early(order, dag, prov, WEIGHTS, gpu, start), (order, gpu, start)
 
 
@@ -282,19 +285,19 @@ def test_next_use_is_the_walk_along_the_order(seed: int, repeat: bool) -> None:
     than the provisional one); the answer is the first node a walk over the rest of this run, then the next run
     (with repeat), meets."""
     rng = random.Random(seed)
-    sizes = _Sizes({k: ModelCost(k, w) for k, w in WEIGHTS.items()})
+    sizes = Sizes({k: ModelCost(k, w) for k, w in WEIGHTS.items()})
     pool = [Variant(f"v{k}", ms, act) for k, (ms, act) in enumerate(itertools.product(
         ((), ("te",), ("dit",), ("vae",), ("vae", "dit"), ("ref",)), (0, 5, 30, 90)))]
     n = rng.randint(1, 60)
     order = [f"n{j}" for j in range(n)]
     prov = {x: rng.choice(pool) for x in order}
     gpu = rng.choice((80, 100, 150, 300))
-    memo = _Memo({x: pool.index(prov[x]) for x in order})  # a kind per provisional variant, as plan() makes them
+    memo = Memo({x: pool.index(prov[x]) for x in order})  # a kind per provisional variant, as plan() makes them
     if seed % 2:  # tables made by an earlier pass over the same order (plan() shares them)
-        earlier = _NextUse(order, prov, sizes, gpu, repeat, memo)
+        earlier = NextUse(order, prov, sizes, gpu, repeat, memo)
         for m in WEIGHTS:
             earlier.first(m, 0, {}, pool[0])
-    after = _NextUse(order, prov, sizes, gpu, repeat, memo)
+    after = NextUse(order, prov, sizes, gpu, repeat, memo)
     chosen: dict[str, Variant] = {}
 
     def walk(m: str, i: int, cur: Variant) -> tuple[Variant, int] | None:
@@ -336,8 +339,8 @@ def test_remembered_choices_are_the_choices_of_weighing_every_node(tmp_path: Pat
                                                                    host: str) -> None:
     """A queue of 8 prompts of a shipped workflow on the cards where it streams, evicts, or keeps all, with host RAM
     for every pinned copy or (HOST) for the transformer's alone: the plan whose passes 3 remember their choices
-    (graph/planner.py `_assign`) and that leaves out the next run's pass where it surely moves nothing (`_all_fit`)
-    and the pinning pass where fewer pins change no choice (`_Assigned.repinned`) is, step for step and note for
+    (graph/assign.py `assign`) and that leaves out the next run's pass where it surely moves nothing (`all_fit`)
+    and the pinning pass where fewer pins change no choice (`Assigned.repinned`) is, step for step and note for
     note, the plan that weighs every node and runs every pass, from an empty GPU, from the residency the first plan
     leaves (kept parts and all) and without repeat. (At 6 GiB and 512² a remembered choice that the look ahead's
     answers did not confirm would change the queue's plan.)"""
@@ -363,13 +366,13 @@ def test_remembered_choices_are_the_choices_of_weighing_every_node(tmp_path: Pat
     remembered = plans()
     _check_all_fit(prep.dag, costs, models, planning, [remembered[0][1], planner.Residency()])
     passes = []
-    every_pass = planner._assign
+    every_pass = assign.assign
 
     def counted(*args):
         passes.append(args[-1].known is None)
         return every_pass(*args)
 
-    monkeypatch.setattr(planner, "_assign", counted)
+    monkeypatch.setattr(assign, "assign", counted)
     assert plans() == remembered
     n = len(passes)
     monkeypatch.setattr(planner, "_SHORTCUTS", False)  # every node weighed, every pass run
@@ -381,7 +384,7 @@ def test_a_remembered_eviction_is_weighed_again_where_the_next_uses_rank_the_oth
     """Two nodes of a kind (the same variant) meet the same state, P and Q resident and pinned, and each must evict
     one of them, at equal reload cost: the one used later goes. The first node's look ahead finds P one node away and
     Q two; the second's finds Q one away and P two. The costs agree, so only the ranking of the distances can tell
-    that the remembered choice (evict Q) is wrong for the second node (graph/planner.py `_alike`)."""
+    that the remembered choice (evict Q) is wrong for the second node (graph/assign.py `alike`)."""
     g = MB * 1000
     models = {m: ModelCost(m, n, m) for m, n in (("P", g), ("Q", g), ("X", 3 * g))}
     x = Variant("gpu", ("X",), 10 * MB, 1.0)  # one object: both nodes of its kind
@@ -408,8 +411,8 @@ def test_a_remembered_eviction_is_weighed_again_where_the_next_uses_rank_the_oth
 
 
 def test_kinds_by_the_same_objects_are_kinds_by_equal_fields() -> None:
-    """`_kinds` takes nodes that list the same variant objects for one kind without comparing fields: only all of them
-    the same, in the same order, makes it so; equal objects that are not the same are of a kind by their fields."""
+    """`node_kinds` takes nodes that list the same variant objects for one kind without comparing fields: only all of
+    them the same, in the same order, makes it so; equal objects that are not the same are of a kind by their fields."""
     import dataclasses
 
     models = {"M": ModelCost("M", 100 * MB, "M"), "N": ModelCost("N", 100 * MB, "N")}
@@ -419,7 +422,7 @@ def test_kinds_by_the_same_objects_are_kinds_by_equal_fields() -> None:
     dag = nx.DiGraph()
     dag.add_nodes_from(lists)
     costs = {n: planner.NodeCost(n, "Node", vs) for n, vs in lists.items()}
-    kinds, _ = planner._kinds(dag, list(lists), costs, _Sizes(models), 10**12)
+    kinds, _ = node_kinds(dag, list(lists), costs, Sizes(models), 10**12)
     assert kinds["a"] == kinds["c"] == kinds["d"]
     assert len({kinds[n] for n in "abef"}) == 4
 
@@ -462,15 +465,15 @@ def _check_all_fit(dag: nx.DiGraph, costs: dict, models: dict, planning, starts:
     """Where `_all_fit` says so, pass 3 from that residency (along any order) unloads no model and streams none."""
     for start in starts:
         ms = {**models, **{m.key: m for m in start.kept}}
-        sizes = _Sizes(ms)
+        sizes = Sizes(ms)
         nodes = list(nx.topological_sort(dag))
-        kinds, prov = planner._kinds(dag, nodes, costs, sizes, planning.budget.gpu)
+        kinds, prov = node_kinds(dag, nodes, costs, sizes, planning.budget.gpu)
         variants = {k: costs[n].variants for n, k in kinds.items()}
-        fit = planner._all_fit(variants.values(), sizes, planning.budget.gpu, start)
+        fit = all_fit(variants.values(), sizes, planning.budget.gpu, start)
         ALL_FIT.append(fit)
         if fit:
-            got = planner._assign(nodes, costs, sizes, planning.budget, planning.cost, start, prov, frozenset(ms),
-                                  True, _Memo(kinds))
+            got = assign.assign(nodes, costs, sizes, planning.budget, planning.cost, start, prov, frozenset(ms),
+                                  True, Memo(kinds))
             assert not {m for m in got.unloaded if sizes.base(m) is None}
             assert not any(v.streams for v in got.chosen.values())
 

@@ -24,7 +24,7 @@ MAY_IMPORT = {"cli": {"graph", "nodes", "models"}, "server": {"graph", "nodes", 
 PURE = [
     "graph.workflow", "graph.validate", "graph.estimate", "graph.planner", "graph.planning", "graph.timeline",
     "graph.errors", "graph.budget", "graph.queue", "graph.runtime", "graph.early", "graph.families",
-    "graph.residency",
+    "graph.residency", "graph.plantypes", "graph.sizes", "graph.order", "graph.assign",
     "nodes", "nodes.types", "nodes.estimates", "nodes.catalog", "nodes.files", "nodes.core", "nodes.vg",
     "nodes.output", "nodes.comfy", "nodes.foreign", "graph.uiedit",
     "models.dtypes", "models.headers", "models.loading", "models.flux2_config", "models.qwen3_config",
@@ -143,21 +143,27 @@ def _module_of(target: str) -> str:
     return ".".join(parts)
 
 
-@pytest.mark.parametrize("name", ["planner", "early"])
+PLANNER = ("planner", "plantypes", "sizes", "order", "assign", "early", "residency")  # the planner and its passes
+
+
+@pytest.mark.parametrize("name", PLANNER)
 def test_the_planner_sees_costs_not_nodes(name: str) -> None:
-    """graph/planner.py imports nothing of ours at run time but its own pass graph/early.py and the pure
-    graph/residency.py (block residency, as torch-free as the planner), which import nothing of ours either: the
-    Variant type of nodes/types.py is only a name in their annotations, under `if TYPE_CHECKING:`."""
+    """The planner (graph/planner.py, its types, sizes and passes, and the pure graph/residency.py of block residency)
+    imports nothing of ours at run time but its own modules: the Variant and Blocks types of nodes/types.py are only
+    names in their annotations, under `if TYPE_CHECKING:`."""
     path = ROOT / "graph" / f"{name}.py"
     tree = ast.parse(path.read_text())
-    passes = {"graph.early", "graph.residency", "graph.residency.BlockPlan"} if name == "planner" else set()
-    assert {t for t, _ in _imports(path)} - passes == {"nodes.types"}
     guarded = [n for block in ast.walk(tree) if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
                for n in ast.walk(block) if isinstance(n, ast.ImportFrom)]
-    ours = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level
-            and n.module not in ("early", "residency", None)]
-    assert ours and ours == guarded, "an import of ours outside `if TYPE_CHECKING:`"
-    assert {a.name for n in ours for a in n.names} == {"Variant"}
+    ours = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+    outside = [n for n in ours if n not in guarded]
+    assert all(n.level == 1 and (n.module or "").split(".")[0] in (*PLANNER, "") for n in outside), \
+        "an import of ours outside the planner's modules"
+    assert all(n.module in PLANNER for n in outside if n.module) and \
+        all(a.name in PLANNER for n in outside if not n.module for a in n.names)
+    assert all(n.module in ("..nodes.types", "nodes.types") or (n.level == 1 and n.module in PLANNER) for n in guarded)
+    assert {a.name for n in guarded if n.level == 2 for a in n.names} <= {"Variant", "Blocks"}
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import) and n.names[0].name.split(".")[0] == "torch"]
 
 
 # ------------------------------------------------------------------------------------ (c) the commands

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import residency
+from .order import Shape
 from .plantypes import Budget, CostModel, Load, NodeCost, PlannedStep, Residency, Run, Unload, gib
 from .residency import BlockPlan
 from .sizes import Sizes
@@ -26,14 +27,6 @@ _PINNING = ", pinned while loading"  # a Load's note, after the node it is for, 
 TIE = 0.001  # variants whose predicted seconds are this close (relative) count as equally fast: the one that copies
 #              fewer bytes host->GPU wins (a stream that copies 1.5x the bytes for 0.01 % less predicted time is
 #              within the prediction's error, and its bytes are real: the link's power and other processes' copies)
-
-
-def _made(cls: type, fields: dict[str, Any]) -> Any:
-    """`cls(**fields)` for a frozen dataclass without __post_init__ whose `fields` are all of its fields: half the
-    time of its __init__, which sets each field through object.__setattr__ (a 64-prompt plan makes a thousand)."""
-    made = object.__new__(cls)
-    made.__dict__.update(fields)
-    return made
 
 
 _FIELDS = {kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in (Load, Unload, Run)}
@@ -49,22 +42,44 @@ class Assigned:
     unloaded: set[str]  # models an Unload step frees
     moved: int  # bytes copied host->GPU, as Plan.bytes_moved + Plan.streamed_bytes count them
     weighed: set[str]  # models whose eviction was priced (evict_cost asked)
+    held_after: dict[str, int]  # per node: the bytes of the weights resident after it ("": at the start)
 
-    def steps(self) -> tuple[PlannedStep, ...]:
+    def steps(self, shape: Shape, costs: Mapping[str, NodeCost], cm: CostModel, start: tuple[str, ...]
+              ) -> tuple[PlannedStep, ...]:
+        """The plan's steps, with the nodes that need nothing (graph/order.py `Shape`) where they run: before the first
+        node (on the GPU as it is at the start, `start`) or right after the node they waited for."""
         notes: dict[int, str] = {}  # _run_note of each arguments tuple (the nodes of a remembered choice share one)
+        first, followers = shape.expand([r[1][0] for r in self.rows if r[0] is Run])
+        out: list[PlannedStep] = []
+        new = object.__new__
 
-        def text(note: str | tuple) -> str:
-            if isinstance(note, str):
-                return note
-            got = notes.get(id(note))
-            if got is None:
-                got = notes[id(note)] = _run_note(*note)
-            return got
+        def step(kind: type, fields: dict[str, Any], gpu: int, res: tuple[str, ...], secs: float, note: str,
+                 streams: tuple[str, ...], bp: BlockPlan | None) -> None:
+            s = new(kind)
+            s.__dict__.update(fields)  # (frozen dataclasses without __post_init__, made without their __init__,
+            p = new(PlannedStep)  #      which sets each field through object.__setattr__: a plan makes a thousand)
+            p.__dict__.update(step=s, gpu_bytes=gpu, resident=res, seconds=secs, note=note, streams=streams, blocks=bp)
+            out.append(p)
 
-        return tuple(_made(PlannedStep, {"step": _made(kind, dict(zip(_FIELDS[kind], args, strict=True))),
-                                         "gpu_bytes": gpu, "resident": res, "seconds": secs, "note": text(note),
-                                         "streams": streams, "blocks": bp})
-                     for kind, args, gpu, res, secs, note, streams, bp in self.rows)
+        def run_free(nodes: list[str], held: int, res: tuple[str, ...]) -> None:
+            for f in nodes:
+                v = costs[f].variants[0]
+                step(Run, {"node": f, "variant": v.name}, held, res, cm.run_seconds(v), v.note, (), None)
+
+        run_free(first, self.held_after[""], start)
+        for kind, args, gpu, res, secs, note, streams, bp in self.rows:
+            if not isinstance(note, str):
+                got = notes.get(id(note))
+                if got is None:
+                    got = notes[id(note)] = _run_note(*note)
+                note = got
+            if kind is Run:
+                step(Run, {"node": args[0], "variant": args[1]}, gpu, res, secs, note, streams, bp)
+                if args[0] in followers:
+                    run_free(followers[args[0]], self.held_after[args[0]], res)
+            else:
+                step(kind, dict(zip(_FIELDS[kind], args, strict=True)), gpu, res, secs, note, streams, bp)
+        return tuple(out)
 
     def repinned(self, pins: frozenset[str]) -> Assigned:
         """This pass, made with every model pinned once loaded, as the same order gets it with only `pins` (which hold
@@ -77,7 +92,7 @@ class Assigned:
         rows = [(Load, (r[1][0], "file", False), r[2], r[3], r[4], r[5].removesuffix(_PINNING), r[6], r[7])
                 if r[0] is Load and r[1][2] and r[1][0] not in pins else r for r in self.rows]
         end = Residency(self.end.gpu, self.end.pinned & pins, self.end.kept)
-        return Assigned(rows, self.chosen, end, self.loads, self.unloaded, self.moved, self.weighed)
+        return Assigned(rows, self.chosen, end, self.loads, self.unloaded, self.moved, self.weighed, self.held_after)
 
 
 def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
@@ -197,8 +212,7 @@ def alike(known: tuple[tuple[str, int, tuple[float, float]], ...],
 
 
 def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget: Budget, cm: CostModel,
-           start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool, memo: Memo
-            ) -> Assigned:
+           start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool, memo: Memo) -> Assigned:
     """Pass 3: residency and variants along a fixed order (see the module docstring).
 
     The nodes of a queue repeat, and so do their choices: a choice depends only on the node's variants, the resident
@@ -392,6 +406,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
 
     held = sum(w[m] for m in resident)  # bytes of the resident weights
     now = tuple(resident)
+    held_after: dict[str, int] = {"": held}  # per node: the resident weights' bytes after it ("": at the start)
     copies = frozenset(pinned)  # `known` is by the node's kind, the resident models (in their order) and these
     for i, node in enumerate(order):
         nc = costs[node]
@@ -400,6 +415,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
                 and held + vs[0].activation <= gpu:  # a host node, or one without weights: nothing moves
             v = chosen[node] = vs[0]
             rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
+            held_after[node] = held
             continue
         key = (kinds[node], now, copies) if known is not None else None
         got = known.get(key) if key is not None else None
@@ -467,9 +483,10 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
                 held += w[part]
             now = tuple(resident)
         rows.append((Run, (node, v.name), gpu_bytes, now, secs, note, tuple(v.streams), bp))
+        held_after[node] = held
     kept_parts = tuple(sizes.parts.get(m) or sizes.models[m] for m in kept.values())
     end = Residency(frozenset(resident), frozenset(pinned), kept_parts)
-    return Assigned(rows, chosen, end, loads, unloaded, moved, weighed)
+    return Assigned(rows, chosen, end, loads, unloaded, moved, weighed, held_after)
 
 
 def choose_pins(first: Assigned, sizes: Sizes, costs: Mapping[str, NodeCost], order: list[str],

@@ -34,24 +34,151 @@ def cycle_error(dag: nx.DiGraph) -> ValueError | None:
     return ValueError(f"the graph has a cycle through {[u for u, _ in cycle]}; break it to plan")
 
 
-def edges(dag: nx.DiGraph, nodes: list[str]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """Each node's producers and consumers, read once for all the passes (networkx's per-node views cost more than
-    the rest of a pass)."""
-    succs = {n: list(after) for n, after in dag.adjacency()}
-    preds: dict[str, list[str]] = {n: [] for n in nodes}
-    for u in nodes:
-        for v in succs[u]:
-            preds[v].append(u)
-    return preds, succs
+def needs_nothing(nc: NodeCost) -> bool:
+    """A node with one variant that uses no model, streams none and needs no GPU bytes, and whose outputs hold no host
+    RAM (a loader, a save, ComfyUI's guider and noise nodes): where it runs changes nothing the planner counts."""
+    if nc.host_bytes or len(nc.variants) != 1:
+        return False
+    v = nc.variants[0]
+    return not (v.models or v.streams or v.activation or v.blocks is not None)
 
 
-def run_order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[str, list[str]],
-              costs: Mapping[str, NodeCost], sizes: Sizes, gpu: int, prov: Mapping[str, Variant], start: Residency,
-              host_limit: int) -> tuple[list[str], int]:
-    """Pass 1: the run order (see the module docstring) and the peak of host bytes held by live outputs."""
-    pos = {n: i for i, n in enumerate(nodes)}
+class Shape:
+    """The graph as the passes read it. A node that needs nothing (`needs_nothing`) runs as soon as its inputs are
+    ready: the passes order only the others (`nodes`), with an edge u -> v wherever v reads u's output directly or
+    through nodes that need nothing, and `expand` puts the rest of an order's nodes back in. In a queue of ComfyUI's
+    own nodes that is more than half the nodes (noise, guider, zeroed conditioning, save), and all of the planner's
+    passes cost per node.
+
+    An output's host RAM (`NodeCost.host_bytes`) lives until its last reader has run, a node that needs nothing among
+    them counted as running right after the last of the nodes it waits for; `holders`/`releases` say which runs those
+    are, once for all the orders the passes try."""
+
+    def __init__(self, dag: nx.DiGraph, nodes: list[str], free: set[str], costs: Mapping[str, NodeCost]) -> None:
+        """`nodes`: the DAG's nodes in its order; `free`: those that need nothing."""
+        succs = {n: list(after) for n, after in dag.adjacency()}  # (networkx's per-node views cost more than a pass)
+        preds: dict[str, list[str]] = {n: [] for n in nodes}
+        for u, after in succs.items():
+            for v in after:
+                preds[v].append(u)
+        self.pos = {n: i for i, n in enumerate(nodes)}
+        self.nodes = [n for n in nodes if n not in free] if free else nodes
+        frees = [n for n in nodes if n in free] if free else []  # (in the graph's order: the same plan every time)
+        self.free_succs: dict[str, list[str]] = {f: [] for f in frees}  # per free node: its free consumers
+        self.waits = dict.fromkeys(frees, 0)  # per free node: its inputs from free nodes
+        for f in frees:
+            for p in preds[f]:
+                if p in free:
+                    self.free_succs[p].append(f)
+                    self.waits[f] += 1
+        self.gate = gate = self._gates(dag, frees, preds, free, self.free_succs, self.waits)
+
+        def through(xs: list[str]) -> list[str]:
+            """`xs` with each node that needs nothing replaced by the nodes it waits for, without repeats."""
+            if free.isdisjoint(xs):
+                return xs
+            return list(dict.fromkeys([y for x in xs for y in (gate[x] if x in free else (x,))]))
+
+        self.preds = {n: through(preds[n]) for n in self.nodes} if free else preds
+        self.succs: dict[str, list[str]] = {n: [] for n in self.nodes} if free else succs
+        if free:
+            for n in self.nodes:
+                for p in self.preds[n]:
+                    self.succs[p].append(n)
+        self.holders: dict[str, int] = {}  # per node whose output holds host RAM: the runs that free it
+        self.releases: dict[str, list[str]] = {}  # per node: the outputs its run may free
+        for n in self.nodes:
+            if costs[n].host_bytes:
+                readers = through(succs[n])
+                self.holders[n] = len(readers)
+                for r in readers:
+                    got = self.releases.get(r)
+                    if got is None:
+                        self.releases[r] = [n]
+                    else:
+                        got.append(n)
+        self.gated: dict[str, list[str]] = {}  # per node: the free nodes that wait for it
+        for f in frees:
+            for n in gate[f]:
+                got = self.gated.get(n)
+                if got is None:
+                    self.gated[n] = [f]
+                else:
+                    got.append(f)
+
+    @staticmethod
+    def _gates(dag: nx.DiGraph, frees: list[str], preds: Mapping[str, list[str]], free: set[str],
+               free_succs: Mapping[str, list[str]], waits: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
+        """Per node that needs nothing, the other nodes whose runs it waits for, directly or through nodes that need
+        nothing (in an order where its free inputs come first)."""
+        waiting = dict(waits)
+        ready = [f for f in frees if not waiting[f]]
+        gate: dict[str, tuple[str, ...]] = {}
+        while ready:
+            f = ready.pop()
+            ps = preds[f]
+            if len(ps) < 2:  # (most: a loader waits for nothing, a save for its decode)
+                g = (gate[ps[0]] if ps[0] in free else (ps[0],)) if ps else ()
+            else:
+                got: list[str] = []
+                for p in ps:
+                    if p in free:
+                        got += gate[p]
+                    else:
+                        got.append(p)
+                g = tuple(dict.fromkeys(got)) if len(got) > 1 else tuple(got)
+            gate[f] = g
+            for c in free_succs[f]:
+                waiting[c] -= 1
+                if not waiting[c]:
+                    ready.append(c)
+        if len(gate) < len(frees):  # nodes that need nothing on a cycle of their own
+            raise cycle_error(dag) or RuntimeError(f"nodes on a cycle: {sorted(set(frees) - set(gate))}")
+        return gate
+
+    def expand(self, order: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+        """The nodes that need nothing placed along `order` (of `nodes`): those that run before it, and per node of
+        `order` those that run right after it; each as soon as it is ready, the earliest in the graph first."""
+        if not self.gate:
+            return [], {}
+        gate, pos, free_succs = self.gate, self.pos, self.free_succs
+        waiting = {f: len(g) + self.waits[f] for f, g in gate.items()}  # runs and free inputs it still waits for
+        ready = [(pos[f], f) for f, n in waiting.items() if not n]
+        heapq.heapify(ready)
+
+        def drain() -> list[str]:
+            out = []
+            while ready:
+                f = heapq.heappop(ready)[1]
+                out.append(f)
+                for s in free_succs[f]:
+                    waiting[s] -= 1
+                    if not waiting[s]:
+                        heapq.heappush(ready, (pos[s], s))
+            return out
+
+        first = drain()
+        after: dict[str, list[str]] = {}
+        gated = self.gated
+        for n in order:
+            fs = gated.get(n)
+            if fs is None:
+                continue
+            for f in fs:
+                waiting[f] -= 1
+                if not waiting[f]:
+                    heapq.heappush(ready, (pos[f], f))
+            if ready:
+                after[n] = drain()
+        return first, after
+
+
+def run_order(shape: Shape, costs: Mapping[str, NodeCost], sizes: Sizes, gpu: int, prov: Mapping[str, Variant],
+              start: Residency, host_limit: int) -> tuple[list[str], int]:
+    """Pass 1: the run order of `shape.nodes` (graph/planner.py) and the peak of host bytes held by live outputs."""
+    nodes, preds, succs, pos, releases = shape.nodes, shape.preds, shape.succs, shape.pos, shape.releases
     indeg = {n: len(preds[n]) for n in nodes}
-    left = {n: len(succs[n]) for n in nodes}  # consumers not yet run
+    left = dict(shape.holders)  # per output that holds host RAM: the runs left that free it
     hb = {n: costs[n].host_bytes for n in nodes}
     resident: list[str] = sorted(start.gpu)  # least recently used first
     uses = Counter(m for n in nodes for m in dict.fromkeys(prov[n].models))  # runs left that need each model
@@ -59,7 +186,7 @@ def run_order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[s
     order: list[str] = []
 
     def freed(n: str) -> int:
-        return sum(hb[p] for p in preds[n] if left[p] == 1) + (hb[n] if left[n] == 0 else 0)
+        return sum(hb[p] for p in releases.get(n, ()) if left[p] == 1) + (hb[n] if left.get(n) == 0 else 0)
 
     def rank(k: tuple, res: set[str], held: int) -> tuple[bool, bool]:
         """(its models are not all resident, running it now would push out a resident model that a later run
@@ -104,8 +231,8 @@ def run_order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[s
         if not groups[key]:
             del groups[key]
         peak = max(peak, live + hb[pick])
-        gone = 0 if left[pick] else hb[pick]  # freed(pick), as the consumers are counted down
-        for p in preds[pick]:
+        gone = hb[pick] if left.get(pick) == 0 else 0  # freed(pick), as the readers are counted down
+        for p in releases.get(pick, ()):
             if left[p] == 1:
                 gone += hb[p]
             left[p] -= 1
@@ -141,8 +268,8 @@ def run_order(nodes: list[str], preds: Mapping[str, list[str]], succs: Mapping[s
     return order, peak
 
 
-def grouped_order(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[str, list[str]],
-                  costs: Mapping[str, NodeCost], prov: Mapping[str, Variant]) -> list[str]:
+def grouped_order(order: list[str], shape: Shape, costs: Mapping[str, NodeCost], prov: Mapping[str, Variant]
+                  ) -> list[str]:
     """`order` regrouped stage by stage: a topological order that runs next, among the ready nodes, one that needs no
     GPU (a save), else one of the class that came first in `order`, the earliest first: a queue's encodes, then its
     references, samples and decodes, each for every prompt."""
@@ -153,6 +280,7 @@ def grouped_order(order: list[str], preds: Mapping[str, list[str]], succs: Mappi
     for i, n in enumerate(order):
         v = prov[n]
         key[n] = -1 if not (v.models or v.streams or v.activation) else rank[costs[n].class_type], i, n
+    preds, succs = shape.preds, shape.succs
     indeg = {n: len(preds[n]) for n in order}
     ready = [key[n] for n in order if not indeg[n]]
     heapq.heapify(ready)
@@ -167,18 +295,19 @@ def grouped_order(order: list[str], preds: Mapping[str, list[str]], succs: Mappi
     return out
 
 
-def host_peak(order: list[str], preds: Mapping[str, list[str]], succs: Mapping[str, list[str]],
-              costs: Mapping[str, NodeCost]) -> int:
-    """The most host RAM that live node outputs hold along `order` (an output lives until its last consumer ran)."""
-    left = {n: len(succs[n]) for n in order}
+def host_peak(order: list[str], shape: Shape, costs: Mapping[str, NodeCost]) -> int:
+    """The most host RAM that live node outputs hold along `order` (an output lives until its last reader ran)."""
+    left = dict(shape.holders)
+    releases = shape.releases
     live = peak = 0
     for n in order:
-        live += costs[n].host_bytes
+        hb = costs[n].host_bytes
+        live += hb
         peak = max(peak, live)
-        for p in preds[n]:
+        if hb and not left[n]:  # read by no one: gone at once
+            live -= hb
+        for p in releases.get(n, ()):
             left[p] -= 1
             if left[p] == 0:
                 live -= costs[p].host_bytes
-        if left[n] == 0:
-            live -= costs[n].host_bytes
     return peak

@@ -48,12 +48,13 @@ Nothing is ever unloaded unless a node forces it out, and nothing is loaded befo
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
 from . import assign as pass3
 from .early import FinishEarly
-from .order import cycle_error, edges, grouped_order, host_peak, run_order
+from .order import Shape, cycle_error, grouped_order, host_peak, needs_nothing, run_order
 from .plantypes import (
     DEFAULT_RESERVE,
     Budget,
@@ -72,6 +73,9 @@ from .plantypes import (
 )
 from .sizes import Sizes, all_fit, node_kinds
 
+if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
+    from ..nodes.types import Variant
+
 TIE = pass3.TIE
 _SHORTCUTS = True  # pass 3's remembered choices and the passes plan() leaves out where they would change nothing;
 #                    False: every node weighed, every pass run (tests/test_fast_paths.py compares the plans)
@@ -84,19 +88,25 @@ __all__ = ["DEFAULT_RESERVE", "TIE", "Budget", "CostModel", "GiB", "Load", "Mode
 
 
 def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
-              start: Residency) -> list[str]:
+              start: Residency, gpu: int) -> tuple[list[str], set[str]]:
+    """The DAG's nodes and those of them that need nothing (graph/order.py `needs_nothing`: the passes leave them
+    out), after checking that every node has a cost and every model a size."""
     def fault(message: str) -> ValueError:
         return cycle_error(dag) or ValueError(message)
 
     nodes = list(dag.nodes)
+    free: set[str] = set()
     seen: set[int] = set()  # variants checked (a queue's nodes share theirs)
     for n in nodes:
         nc = costs.get(n)
         if nc is None:
             raise fault(f"node {n!r} has no NodeCost: estimate every node before planning")
-        if not nc.variants:
+        vs = nc.variants
+        if not vs:
             raise fault(f"node {n!r} ({nc.class_type}) has no variants: give it at least one")
-        for v in nc.variants:
+        if len(vs) == 1 and needs_nothing(nc) and gpu >= 0:  # (with no room at all, every node fails as itself)
+            free.add(n)
+        for v in vs:
             if id(v) in seen:
                 continue
             seen.add(id(v))
@@ -108,7 +118,12 @@ def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[st
         if m not in models:
             raise fault(f"model {m!r} is resident at the start but missing from `models`: describe every "
                         "resident model so that its bytes are counted")
-    return nodes
+    return nodes, free
+
+
+def _on_gpu(v: Variant) -> bool:
+    """Whether a variant uses the GPU: a model resident or streamed, or GPU bytes of its own."""
+    return bool(v.models or v.streams or v.activation or v.blocks is not None)
 
 
 def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost], budget: Budget,
@@ -121,36 +136,44 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     """
     if start.kept:
         models = {**models, **{m.key: m for m in start.kept if m.key in start.gpu}}
-    nodes = _validate(dag, costs, models, start)
+    nodes, free = _validate(dag, costs, models, start, budget.gpu)
+    shape = Shape(dag, nodes, free, costs)  # the passes order the nodes that need something (graph/order.py)
     sizes = Sizes(models)
-    kinds, prov = node_kinds(dag, nodes, costs, sizes, budget.gpu, _SHORTCUTS)
+    kinds, prov = node_kinds(dag, shape.nodes, costs, sizes, budget.gpu, _SHORTCUTS)
     memo = pass3.Memo(kinds, {} if _SHORTCUTS else None)  # what its passes 3 share
     pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
-    preds, succs = edges(dag, nodes)
-    order, peak_out = run_order(nodes, preds, succs, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
-    if len(order) < len(nodes):  # the nodes of a cycle never get ready
-        raise cycle_error(dag) or RuntimeError(f"pass 1 left out {sorted(set(nodes) - set(order))}")
+    order, peak_out = run_order(shape, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
+    if len(order) < len(shape.nodes):  # the nodes of a cycle never get ready
+        raise cycle_error(dag) or RuntimeError(f"pass 1 left out {sorted(set(shape.nodes) - set(order))}")
     everything = frozenset(models)
     # results early where that moves no byte more than the grouped order, with or without them (module docstring,
     # pass 1); pass 1's order stands in for the grouped one where grouping would hold more host RAM than there is
-    early = FinishEarly(order, succs, prov, sizes.nbytes, budget.gpu, sorted(start.gpu))
+    early = FinishEarly(order, shape.succs, prov, sizes.nbytes, budget.gpu, sorted(start.gpu))
     chosen = early(order)
     first = pass3.assign(chosen, costs, sizes, budget, cost, start, prov, everything, repeat, memo)
     streams = any(r[-1] is not None for r in first.rows)  # a row's last field: its block plan
     if max(first.loads.values(), default=0) > 1 or streams:  # else no order moves less
         host_room = max(budget.host - pinned_bytes, peak_out)  # (pass 1 may have had to go over it)
         tight = sum(costs[n].host_bytes for n in nodes) > host_room  # else no order holds more than there is
-        grouped = grouped_order(order, preds, succs, costs, prov)
-        if tight and host_peak(grouped, preds, succs, costs) > host_room:
+        grouped = grouped_order(order, shape, costs, prov)
+        if tight and host_peak(grouped, shape, costs) > host_room:
             grouped = order
-        tried = [chosen]
+        # pass 3 runs a node that has one variant without models, streams or GPU bytes (an image loaded) where it is,
+        # moving nothing, and no such node meets a model in its look ahead: orders that differ only in where those
+        # nodes run get the same choices for the others
+        neutral = {n for n in shape.nodes if len(costs[n].variants) == 1 and not _on_gpu(costs[n].variants[0])}
+
+        def on_gpu(o: list[str]) -> list[str]:
+            return [n for n in o if n not in neutral] if neutral else o
+
+        tried = [on_gpu(chosen)]
         for cand in (early(grouped) if grouped != order else chosen, grouped):
-            if cand in tried or (tight and host_peak(cand, preds, succs, costs) > host_room):
+            if on_gpu(cand) in tried or (tight and host_peak(cand, shape, costs) > host_room):
                 continue
-            tried.append(cand)
+            tried.append(on_gpu(cand))
             other = pass3.assign(cand, costs, sizes, budget, cost, start, prov, everything, repeat, memo)
             if other.moved < first.moved:
-                first, chosen, peak_out = other, cand, host_peak(cand, preds, succs, costs)
+                first, chosen, peak_out = other, cand, host_peak(cand, shape, costs)
     order = chosen
     # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by
     # some other prompt when the used models cannot all stay on the GPU together
@@ -180,5 +203,5 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         done = pass3.assign(order, costs, sizes, budget, cost, start, prov, pins, repeat, memo)
     parts = {k: sizes.parts[k] for s in done.rows for k in s[3] if k in sizes.parts} if sizes.parts else {}
     #         (a row's resident keys)
-    return Plan(done.steps(), budget, {**models, **parts}, done.end, start,
+    return Plan(done.steps(shape, costs, cost, tuple(sorted(start.gpu))), budget, {**models, **parts}, done.end, start,
                 {n: costs[n].class_type for n in nodes}, cost)

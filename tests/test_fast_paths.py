@@ -18,7 +18,6 @@ import pytest
 from vramgraph.graph import assign, planner, residency
 from vramgraph.graph.assign import Memo, NextUse
 from vramgraph.graph.early import FinishEarly
-from vramgraph.graph.order import edges
 from vramgraph.graph.planner import ModelCost
 from vramgraph.graph.sizes import Sizes, all_fit, node_kinds
 from vramgraph.nodes.types import Blocks, Variant
@@ -271,7 +270,8 @@ def test_finish_early_is_the_plain_pass(seed: int) -> None:
     for order in orders(rng, dag):
         for gpu in (80, 90, 100, 140, 170, 250):
             start = rng.sample(sorted(WEIGHTS), rng.randint(0, 2))
-            early = FinishEarly(list(nx.topological_sort(dag)), edges(dag, list(dag))[1], prov, WEIGHTS, gpu, start)
+            succs = {n: list(dag.successors(n)) for n in dag}
+            early = FinishEarly(list(nx.topological_sort(dag)), succs, prov, WEIGHTS, gpu, start)
             assert early(order) == plain_finish_early(order, dag, prov, WEIGHTS, gpu, start), (order, gpu, start)
 
 

@@ -396,7 +396,6 @@ def test_finish_early_moves_only_nodes_whose_descendants_need_no_other_model():
         enc1 ──► sample1 ──► decode1 ──► save1
     """
     from vramgraph.graph.early import FinishEarly
-    from vramgraph.graph.order import edges
 
     dag, costs = chains(2)
     for i in range(2):
@@ -405,7 +404,7 @@ def test_finish_early_moves_only_nodes_whose_descendants_need_no_other_model():
     prov = {n: c.variants[0] for n, c in costs.items()}
     grouped = ["enc0", "enc1", "sample0", "sample1", "decode0", "save0", "decode1", "save1"]
     w = {k: m.nbytes for k, m in MODELS.items()}
-    succs = edges(dag, list(dag))[1]
+    succs = {n: list(dag.successors(n)) for n in dag}
 
     def finish_early(order: list[str], gpu: int) -> list[str]:
         return FinishEarly(order, succs, prov, w, gpu)(order)

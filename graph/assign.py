@@ -30,6 +30,9 @@ TIE = 0.001  # variants whose predicted seconds are this close (relative) count 
 
 
 _FIELDS = {kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in (Load, Unload, Run)}
+# Assigned.steps fills these fields by name, without the dataclasses' __init__
+assert _FIELDS[Run] == ("node", "variant") and tuple(f.name for f in dataclasses.fields(PlannedStep)) == (
+    "step", "gpu_bytes", "resident", "seconds", "note", "streams", "blocks")
 
 
 @dataclass
@@ -50,35 +53,45 @@ class Assigned:
         node (on the GPU as it is at the start, `start`) or right after the node they waited for."""
         notes: dict[int, str] = {}  # _run_note of each arguments tuple (the nodes of a remembered choice share one)
         first, followers = shape.expand([r[1][0] for r in self.rows if r[0] is Run])
+        held_after = self.held_after
         out: list[PlannedStep] = []
-        new = object.__new__
-
-        def step(kind: type, fields: dict[str, Any], gpu: int, res: tuple[str, ...], secs: float, note: str,
-                 streams: tuple[str, ...], bp: BlockPlan | None) -> None:
-            s = new(kind)
-            s.__dict__.update(fields)  # (frozen dataclasses without __post_init__, made without their __init__,
-            p = new(PlannedStep)  #      which sets each field through object.__setattr__: a plan makes a thousand)
-            p.__dict__.update(step=s, gpu_bytes=gpu, resident=res, seconds=secs, note=note, streams=streams, blocks=bp)
-            out.append(p)
+        new = object.__new__  # (steps are frozen dataclasses without __post_init__, made without their __init__, which
+        #                        sets each field through object.__setattr__, at a quarter of the time: a queue of 64
+        #                        prompts makes a thousand)
 
         def run_free(nodes: list[str], held: int, res: tuple[str, ...]) -> None:
             for f in nodes:
                 v = costs[f].variants[0]
-                step(Run, {"node": f, "variant": v.name}, held, res, cm.run_seconds(v), v.note, (), None)
+                s = new(Run)
+                d = s.__dict__
+                d["node"], d["variant"] = f, v.name
+                p = new(PlannedStep)
+                d = p.__dict__
+                d["step"], d["gpu_bytes"], d["resident"], d["seconds"] = s, held, res, cm.run_seconds(v)
+                d["note"], d["streams"], d["blocks"] = v.note, (), None
+                out.append(p)
 
-        run_free(first, self.held_after[""], start)
+        if first:
+            run_free(first, held_after[""], start)
         for kind, args, gpu, res, secs, note, streams, bp in self.rows:
-            if not isinstance(note, str):
+            if note.__class__ is not str:
                 got = notes.get(id(note))
                 if got is None:
                     got = notes[id(note)] = _run_note(*note)
                 note = got
+            s = new(kind)
+            d = s.__dict__
             if kind is Run:
-                step(Run, {"node": args[0], "variant": args[1]}, gpu, res, secs, note, streams, bp)
-                if args[0] in followers:
-                    run_free(followers[args[0]], self.held_after[args[0]], res)
+                d["node"], d["variant"] = args
             else:
-                step(kind, dict(zip(_FIELDS[kind], args, strict=True)), gpu, res, secs, note, streams, bp)
+                d.update(zip(_FIELDS[kind], args, strict=True))
+            p = new(PlannedStep)
+            d = p.__dict__
+            d["step"], d["gpu_bytes"], d["resident"], d["seconds"] = s, gpu, res, secs
+            d["note"], d["streams"], d["blocks"] = note, streams, bp
+            out.append(p)
+            if kind is Run and args[0] in followers:
+                run_free(followers[args[0]], held_after[args[0]], res)
         return tuple(out)
 
     def repinned(self, pins: frozenset[str]) -> Assigned:
@@ -242,16 +255,34 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
     kinds, known = memo.kinds, memo.known
 
     asked: list[tuple[str, Variant, tuple[float, float]]] = []  # evict_cost's questions and answers for one node
+    targets: list[tuple[list[int], int]] = []  # ... and where each answer came from: the look ahead's table for the
+    #                                            model and the position of its next use (-1: in the next run)
+    n = len(order)
+
+    uses: dict[tuple[str, int], bool] = {}  # (m, a kind of node) -> whether its provisional variant uses m
 
     def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
         """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
         weighed.add(m)
-        got = after.first(m, i, chosen, cur)
-        if got is not None and sizes.uses(m, got[0]):  # (it meets m: uses it, or cannot fit beside it)
+        table = after.ahead.get(m)
+        j = table[i + 1] if table is not None else n
+        if j < n:  # (NextUse.first, for a use in this run)
+            node = order[j]
+            use = uses.get((m, kinds[node]))
+            if use is None:
+                use = uses[(m, kinds[node])] = sizes.uses(m, prov[node])
+            got: tuple[Variant, int] | None = None
+        else:
+            got = after.first(m, i, chosen, cur)
+            table = after.ahead[m]
+            j = table[i + 1]
+            use = got is not None and sizes.uses(m, got[0])
+        targets.append((table, j if j < n or not repeat else -1))
+        if use:  # (the next node that meets m uses it, rather than not fitting beside it)
             if sizes.base(m) is not None:  # a kept part: uploaded again by the next node that streams its model
-                answer = w[m] / part_bw, got[1]
-            else:
-                answer = cm.load_seconds(w[m], m in pinned), got[1]  # m is resident: pinned by now if ever
+                answer = w[m] / part_bw, j - i if got is None else got[1]
+            else:  # m is resident: pinned by now if ever
+                answer = cm.load_seconds(w[m], m in pinned), j - i if got is None else got[1]
         else:
             answer = 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
         asked.append((m, cur, answer))
@@ -408,6 +439,12 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
     now = tuple(resident)
     held_after: dict[str, int] = {"": held}  # per node: the resident weights' bytes after it ("": at the start)
     copies = frozenset(pinned)  # `known` is by the node's kind, the resident models (in their order) and these
+    # A node that left the GPU as it found it (the same resident models in the same order, the same pinned copies: a
+    # queue's next encode or sample that takes over the last one's kept part) is `steady`: the next node of its kind
+    # takes the same choice where the look ahead's answers for it come from the same nodes. Its remembered choice
+    # would be asked the same questions and get the same reload seconds, and distances all one (or more) shorter,
+    # which rank alike.
+    steady: tuple | None = None  # (kind, resident, pinned copies, its answers' targets, variant, bytes copied, row)
     for i, node in enumerate(order):
         nc = costs[node]
         vs = nc.variants
@@ -417,9 +454,23 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
             rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
             held_after[node] = held
             continue
-        key = (kinds[node], now, copies) if known is not None else None
+        kind = kinds[node]
+        if steady is not None and steady[0] == kind and steady[1] is now and steady[2] is copies:
+            for table, j in steady[3]:
+                if table[i + 1] != j:
+                    break
+            else:  # the last node's choice, which left the GPU as it found it (see above)
+                v = chosen[node] = steady[4]
+                moved += steady[5]
+                row = steady[6]
+                rows.append((Run, (node, v.name), row[2], now, row[4], row[5], row[6], row[7]))
+                held_after[node] = held
+                continue
+        before = now, copies
+        key = (kind, now, copies) if known is not None else None
         got = known.get(key) if key is not None else None
         asked.clear()
+        targets.clear()
         if got is not None and got[1]:  # the same questions to the look ahead must get answers alike (alike)
             for m, j, answer in got[1]:
                 if evict_cost(m, i, vs[j])[0] != answer[0]:
@@ -430,6 +481,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
                     got = None
         if got is None:
             asked.clear()
+            targets.clear()
             choice = weigh(i, nc)
             if key is not None:
                 index = {id(x): j for j, x in enumerate(vs)}
@@ -484,6 +536,9 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
             now = tuple(resident)
         rows.append((Run, (node, v.name), gpu_bytes, now, secs, note, tuple(v.streams), bp))
         held_after[node] = held
+        steady = None
+        if key is not None and now == before[0] and copies is before[1] and all(j >= 0 for _, j in targets):
+            steady = kind, now, copies, tuple(targets), v, bp.uploaded if bp is not None else 0, rows[-1]
     kept_parts = tuple(sizes.parts.get(m) or sizes.models[m] for m in kept.values())
     end = Residency(frozenset(resident), frozenset(pinned), kept_parts)
     return Assigned(rows, chosen, end, loads, unloaded, moved, weighed, held_after)

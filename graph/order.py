@@ -73,10 +73,14 @@ class Shape:
                     self.waits[f] += 1
         self.gate = gate = self._gates(dag, frees, preds, free, self.free_succs, self.waits)
 
+        gating = {f for f in frees if gate[f]}  # (the others, a loader say, wait for no node)
+
         def through(xs: list[str]) -> list[str]:
             """`xs` with each node that needs nothing replaced by the nodes it waits for, without repeats."""
             if free.isdisjoint(xs):
                 return xs
+            if gating.isdisjoint(xs):
+                return [x for x in xs if x not in free]
             return list(dict.fromkeys([y for x in xs for y in (gate[x] if x in free else (x,))]))
 
         self.preds = {n: through(preds[n]) for n in self.nodes} if free else preds
@@ -181,66 +185,90 @@ def run_order(shape: Shape, costs: Mapping[str, NodeCost], sizes: Sizes, gpu: in
     left = dict(shape.holders)  # per output that holds host RAM: the runs left that free it
     hb = {n: costs[n].host_bytes for n in nodes}
     resident: list[str] = sorted(start.gpu)  # least recently used first
-    uses = Counter(m for n in nodes for m in dict.fromkeys(prov[n].models))  # runs left that need each model
     live = peak = 0
     order: list[str] = []
+
+    # ready nodes in groups of equal (models, activation, host bytes): they rank alike, earliest first in each; a
+    # group by its number (`keys`: its fields, `need`: its models without repeats)
+    group: dict[str, int] = {}
+    number: dict[tuple, int] = {}
+    keys: list[tuple[tuple[str, ...], int, int]] = []
+    for n in nodes:
+        v = prov[n]
+        k = (v.models, v.activation, hb[n])
+        g = number.get(k)
+        if g is None:
+            g = number[k] = len(keys)
+            keys.append(k)
+        group[n] = g
+    need = [sizes.unique(k[0]) for k in keys]
+    uses = Counter()  # runs left that need each model
+    for n in nodes:
+        for m in need[group[n]]:
+            uses[m] += 1
 
     def freed(n: str) -> int:
         return sum(hb[p] for p in releases.get(n, ()) if left[p] == 1) + (hb[n] if left.get(n) == 0 else 0)
 
-    def rank(k: tuple, res: set[str], held: int) -> tuple[bool, bool]:
+    def rank(g: int, res: set[str], held: int) -> tuple[bool, bool]:
         """(its models are not all resident, running it now would push out a resident model that a later run
         still needs: e.g. a decode that does not fit beside the transformer while other prompts still sample)."""
-        need, act = k[0], k[1]
-        missing = [m for m in dict.fromkeys(need) if m not in res]
+        models, act = keys[g][0], keys[g][1]
+        missing = [m for m in need[g] if m not in res]
         over = held + sum(sizes.w(m) for m in missing) + act - gpu
         if over <= 0:
             return bool(missing), False
-        dead = sum(sizes.w(m) for m in res if m not in need and uses[m] == 0)
+        dead = sum(sizes.w(m) for m in res if m not in models and uses[m] == 0)
         return bool(missing), over > dead
 
-    # ready nodes in groups of equal (models, activation, host bytes): they rank alike, earliest first in each
-    group = {n: (prov[n].models, prov[n].activation, hb[n]) for n in nodes}
-    groups: dict[tuple, list[tuple[int, str]]] = {}
+    groups: dict[int, list[tuple[int, str]]] = {}
     for n in nodes:
         if indeg[n] == 0:
             groups.setdefault(group[n], []).append((pos[n], n))  # (in order: a heap)
     res = set(resident)
     held = sum(sizes.w(m) for m in resident)
-    ranks: dict[tuple, tuple[bool, bool]] = {}  # rank(k), while the set of resident models and that of the models
-    #                                             no run left needs stay as they are
+    ranks: dict[int, tuple[bool, bool]] = {}  # rank(g), while the set of resident models and that of the models
+    #                                           no run left needs stay as they are
     while groups:
-        key, best, first = None, (True, True), 0  # the group of the least (rank, earliest position) among those
-        #                                           that fit in host RAM
-        for k, h in groups.items():
-            if live + k[2] <= host_limit:
-                r = ranks.get(k)
+        key, best, first = -1, (True, True), 0  # the group of the least (rank, earliest position) among those
+        #                                         that fit in host RAM
+        for g, h in groups.items():
+            if live + keys[g][2] <= host_limit:
+                r = ranks.get(g)
                 if r is None:
-                    r = ranks[k] = rank(k, res, held)
-                if key is None or r < best or (r == best and h[0][0] < first):
-                    key, best, first = k, r, h[0][0]
-        if key is not None:
-            pick = heapq.heappop(groups[key])[1]
+                    r = ranks[g] = rank(g, res, held)
+                if key < 0 or r < best or (r == best and h[0][0] < first):
+                    key, best, first = g, r, h[0][0]
+        if key >= 0:
+            h = groups[key]
+            pick = heapq.heappop(h)[1]
         else:  # nothing fits in host RAM: the node that leaves the least held, earliest first
             pick = min((n for h in groups.values() for _, n in h), key=lambda n: (live + hb[n] - freed(n), pos[n]))
             key = group[pick]
-            groups[key].remove((pos[pick], pick))
-            heapq.heapify(groups[key])
+            h = groups[key]
+            h.remove((pos[pick], pick))
+            heapq.heapify(h)
             log.warning("node outputs need %s GiB of host RAM at %r, above the %s GiB available",
                         gib(live + hb[pick]), pick, gib(host_limit))
-        if not groups[key]:
+        if not h:
             del groups[key]
-        peak = max(peak, live + hb[pick])
-        gone = hb[pick] if left.get(pick) == 0 else 0  # freed(pick), as the readers are counted down
-        for p in releases.get(pick, ()):
-            if left[p] == 1:
-                gone += hb[p]
-            left[p] -= 1
-        live = live + hb[pick] - gone
+        b = hb[pick]
+        if b:
+            if live + b > peak:
+                peak = live + b
+            live += b
+            if not left[pick]:  # read by no one: gone at once
+                live -= b
+        got = releases.get(pick)
+        if got is not None:
+            for p in got:
+                left[p] -= 1
+                if not left[p]:
+                    live -= hb[p]
         order.append(pick)
         for n in succs[pick]:
             indeg[n] -= 1
-            if indeg[n] == 0:
+            if not indeg[n]:
                 h = groups.get(group[n])
                 if h is None:
                     groups[group[n]] = [(pos[n], n)]
@@ -249,7 +277,7 @@ def run_order(shape: Shape, costs: Mapping[str, NodeCost], sizes: Sizes, gpu: in
         v = prov[pick]
         if not v.models and not v.activation:
             continue
-        for m in dict.fromkeys(v.models):
+        for m in need[key]:
             uses[m] -= 1
             if not uses[m]:
                 ranks.clear()

@@ -166,14 +166,16 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         def on_gpu(o: list[str]) -> list[str]:
             return [n for n in o if n not in neutral] if neutral else o
 
-        tried = [on_gpu(chosen)]
+        tried, tried_first = [on_gpu(chosen)], chosen
         for cand in (early(grouped) if grouped != order else chosen, grouped):
             if on_gpu(cand) in tried or (tight and host_peak(cand, shape, costs) > host_room):
                 continue
             tried.append(on_gpu(cand))
             other = pass3.assign(cand, costs, sizes, budget, cost, start, prov, everything, repeat, memo)
             if other.moved < first.moved:
-                first, chosen, peak_out = other, cand, host_peak(cand, shape, costs)
+                first, chosen = other, cand
+        if chosen is not tried_first:
+            peak_out = host_peak(chosen, shape, costs)
     order = chosen
     # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by
     # some other prompt when the used models cannot all stay on the GPU together

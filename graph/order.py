@@ -50,9 +50,10 @@ class Shape:
     own nodes that is more than half the nodes (noise, guider, zeroed conditioning, save), and all of the planner's
     passes cost per node.
 
-    An output's host RAM (`NodeCost.host_bytes`) lives until its last reader has run, a node that needs nothing among
-    them counted as running right after the last of the nodes it waits for; `holders`/`releases` say which runs those
-    are, once for all the orders the passes try."""
+    An output's host RAM (`NodeCost.host_bytes`) lives until every node that reads it has run, directly or through
+    nodes that need nothing (which hold no RAM of their own: they pass their inputs on, as a guider holds the
+    conditioning until the sampler runs); `holders`/`releases` say which runs those are, once for all the orders the
+    passes try."""
 
     def __init__(self, dag: nx.DiGraph, nodes: list[str], free: set[str], costs: Mapping[str, NodeCost]) -> None:
         """`nodes`: the DAG's nodes in its order; `free`: those that need nothing."""
@@ -93,7 +94,7 @@ class Shape:
         self.releases: dict[str, list[str]] = {}  # per node: the outputs its run may free
         for n in self.nodes:
             if costs[n].host_bytes:
-                readers = through(succs[n])
+                readers = self.succs[n]
                 self.holders[n] = len(readers)
                 for r in readers:
                     got = self.releases.get(r)

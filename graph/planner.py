@@ -4,21 +4,26 @@ A pure function: it imports neither torch nor any node (only `nodes.types.Varian
 node estimates state their variants); it sees sizes and predicted seconds, never tensors.
 The plan is made in three passes, each a simple greedy rule that a user can follow by hand:
 
+0. A node that needs nothing (one variant without models, streams or GPU bytes, whose outputs hold no host RAM: a
+   loader, a save, ComfyUI's noise and guider nodes) runs as soon as its inputs are ready; the passes order and weigh
+   only the others, with an edge wherever one reads another's output directly or through such nodes (graph/order.py
+   `Shape`).
 1. **Order** (graph/order.py `run_order`). A topological order built one node at a time. Among the ready nodes,
    prefer one whose preferred variant's models are already resident (this groups work by model: a queue of N prompts
    becomes encode all, sample all, decode all), then one that would not push out a resident model that a later node
    still needs (a queued edit's decode that cannot sit beside the transformer waits until every prompt has sampled),
    then the lowest original position (insertion order of `dag.nodes`). Host RAM held by node outputs
-   (`NodeCost.host_bytes`, alive from the producer's run until its last consumer has run) must stay within
-   `budget.host` minus the pinned copies that already exist; a ready node that would exceed it is passed over, which
-   falls back to finishing the earlier chains first. Residency in this pass is a rough sketch (least recently used
-   models leave when the budget is exceeded); the real residency is decided in pass 3. Then graph/early.py moves each
-   node that finishes an output (a decode, its save) up to where its models join the resident ones for free, by the
-   same sketch. The sketch counts a streamed node at its least need, while pass 3 gives it all the room there is, so
-   where pass 3 on that order loads a model twice or streams, it also runs on the order grouped stage by stage
-   (graph/order.py `grouped_order`: every prompt's encode, then every reference, sample, decode), with results early
-   and without, and the order whose residency moves the fewest bytes, loads and streaming together, is kept (results
-   early on a tie).
+   (`NodeCost.host_bytes`, alive from the producer's run until every node that reads it, directly or through nodes
+   that need nothing, has run) must stay within `budget.host` minus the pinned copies that already exist; a ready
+   node that would exceed it is passed over, which falls back to finishing the earlier chains first. Residency in
+   this pass is a rough sketch (least recently used models leave when the budget is exceeded); the real residency is
+   decided in pass 3. Then graph/early.py moves each node that finishes an output (a decode, its save) up to where
+   its models join the resident ones for free, by the same sketch. The sketch counts a streamed node at its least
+   need, while pass 3 gives it all the room there is, so where pass 3 on that order loads a model twice or streams,
+   it also runs on the order grouped stage by stage (graph/order.py `grouped_order`: every prompt's encode, then
+   every reference, sample, decode), with results early and without, and the order whose residency moves the fewest
+   bytes, loads and streaming together, is kept (results early on a tie; orders that differ only where nodes without
+   GPU use run are one order to pass 3).
 2. **Pinned copies** (graph/assign.py `choose_pins`). Only a model that gets unloaded is ever reloaded, so only such
    models get a pinned host copy: those unloaded in this run or, with `repeat`, in the next one, and every model of
    the run when they cannot all stay on the GPU together (another prompt may push any of them out), while host RAM
@@ -164,7 +169,7 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         neutral = {n for n in shape.nodes if len(costs[n].variants) == 1 and not _on_gpu(costs[n].variants[0])}
 
         def on_gpu(o: list[str]) -> list[str]:
-            return [n for n in o if n not in neutral] if neutral else o
+            return [n for n in o if n not in neutral] if neutral and _SHORTCUTS else o
 
         tried, tried_first = [on_gpu(chosen)], chosen
         for cand in (early(grouped) if grouped != order else chosen, grouped):

@@ -158,10 +158,13 @@ def node_kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost],
     fit: list[int] = []  # per kind: the index of its first variant that fits alone
     kinds: dict[str, int] = {}
     prov: dict[str, Variant] = {}
+    by_list: dict[int, int] = {}  # ... at a glance by the id of their tuple, which such nodes share too
     for n in nodes:
         vs = costs[n].variants
-        v = vs[0]
-        if len(vs) == 1 and not v.models and not v.streams:
+        k = by_list.get(id(vs)) if shortcuts else None
+        if k is not None:
+            pass
+        elif len(vs) == 1 and not vs[0].models and not vs[0].streams:
             k = len(fit)  # (one without weights: pass 3 runs it as it is unless it does not fit beside the resident
             #               models, which is rare enough to weigh it every time)
         else:
@@ -172,11 +175,13 @@ def node_kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost],
                     k = len(fit)
                 else:
                     if of_variant is None:
-                        of_variant = operator.attrgetter(*(f.name for f in dataclasses.fields(v)
+                        of_variant = operator.attrgetter(*(f.name for f in dataclasses.fields(vs[0])
                                                            if f.name != "blocks"))
                         of_blocks = sizes.of_blocks
                     key = tuple([(of_variant(u), u.blocks and of_blocks(u.blocks)) for u in vs])
                     k = by_ids[ids] = by_key.setdefault(key, len(fit))
+            if shortcuts and len(set(ids)) == len(ids):
+                by_list[id(vs)] = k
         if k == len(fit):
             j = next((j for j, u in enumerate(vs) if sizes.alone(u) <= gpu), None)
             if j is None:

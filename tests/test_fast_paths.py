@@ -483,3 +483,38 @@ def test_all_fit_was_asked_both_ways() -> None:
     if not ALL_FIT:
         pytest.skip("run with the test above")
     assert True in ALL_FIT and False in ALL_FIT
+
+
+def test_orders_that_differ_only_where_images_load_are_planned_once(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 queued edits on a 6 GiB card: the pass-1 order with results early and the grouped order with results early
+    differ only in where the input image loads (a node that holds host RAM but uses no GPU, which pass 3 runs where
+    it is and no look ahead meets), so pass 3 runs on one of them (graph/planner.py `on_gpu`): two candidate passes
+    where every pass run makes three, and the same plan."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import plan_cells
+    from vramgraph.graph import estimate
+    from vramgraph.graph import queue as queue_mod
+
+    monkeypatch.setattr(plan_cells, "INPUT", tmp_path / "input")
+    plan_cells.demo_inputs()
+    planning = plan_cells.planning_for(6, None)
+    prep = planning.prepare(queue_mod.merge(plan_cells.prompts_for("edit.json", 1024, 8),
+                                            frozenset({"VGSaveImage", "SaveImage"})).prompt)
+    node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
+    costs = {k: node_costs[k] for k in prep.dag.nodes}
+    every_pass = assign.assign
+    candidates: list[list[str]] = []
+
+    def counted(order, costs, sizes, budget, cm, start, prov, pins, repeat, memo):
+        if start == planner.Residency() and pins == frozenset(models):  # (the candidates' passes, from the start)
+            candidates.append(order)
+        return every_pass(order, costs, sizes, budget, cm, start, prov, pins, repeat, memo)
+
+    monkeypatch.setattr(assign, "assign", counted)
+    once = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
+    assert len(candidates) == 2
+    candidates.clear()
+    monkeypatch.setattr(planner, "_SHORTCUTS", False)
+    every = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
+    assert len(candidates) == 3 and _steps(every) == _steps(once)

@@ -9,7 +9,9 @@ other jobs on a shared machine inflate it less than wall time would. Issue 13's 
 
 `--against DIR`: the planner of another checkout of this repository (e.g. `git worktree add /tmp/old <commit>`) plans
 the same inputs in the same process, call for call alternately with this one, and each cell reports the ratio of the
-two minimums: on a machine whose speed drifts (the 2-core CI machine) the ratio is steadier than either time.
+two minimums: on a machine whose speed drifts (the 2-core CI machine) the ratio is steadier than either time. With
+`--prepare N` too, the other checkout's whole of planning (its validation, estimates and planner, from the same prompt)
+is timed alternately with this one's as well.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from pathlib import Path
 import plan_cells
 
 
-def _other_planner(checkout: str):
-    """graph/planner.py of `checkout`, imported as the package `vg_against` (the planner imports only its own pure
-    modules and plain dataclasses, so the inputs of this checkout serve it)."""
+def _other(checkout: str):
+    """`checkout` imported as the package `vg_against` (its modules import each other relatively, as inside ComfyUI):
+    its planner takes this checkout's inputs (it imports only its own pure modules and plain dataclasses)."""
     link = Path(tempfile.mkdtemp()) / "vg_against"
     link.symlink_to(Path(checkout).resolve(), target_is_directory=True)
     sys.path.insert(0, str(link.parent))
-    return importlib.import_module("vg_against.graph.planner")
+    importlib.import_module("vg_against.graph.planner")
+    importlib.import_module("vg_against.graph.api")
+    return sys.modules["vg_against"]
 
 
 def _timed(call, repeat: int) -> list[float]:
@@ -62,7 +66,8 @@ def main() -> None:
     plan_cells._import()
     from vramgraph.graph import estimate, planner, queue
 
-    other = _other_planner(a.against) if a.against else None
+    against = _other(a.against) if a.against else None
+    other = against.graph.planner if against else None
     plan_cells.demo_inputs()
     workflows = list(plan_cells.WORKFLOWS) if a.workflows == ["all"] else a.workflows
     rows = []
@@ -95,15 +100,29 @@ def main() -> None:
                                against_median_ms=round(statistics.median(against) * 1e3, 2),
                                over_against=round(min(times) / min(against), 3))
                 row.update(min_ms=round(min(times) * 1e3, 2), median_ms=round(statistics.median(times) * 1e3, 2))
-                if a.prepare:
+                if a.prepare and against is None:
                     whole = _timed(functools.partial(planning.prepare, merged.prompt), a.prepare)
                     row.update(prepare_min_ms=round(min(whole) * 1e3, 2))
+                elif a.prepare:
+                    theirs_all = functools.partial(against.graph.api.Pipeline(
+                        input=str(plan_cells.INPUT), host=plan_cells.HOST)._planner(f"{card}GiB").prepare,
+                        merged.prompt)
+                    whole, whole_against = [], []
+                    for _ in range(a.prepare):
+                        whole += _timed(functools.partial(planning.prepare, merged.prompt), 1)
+                        whole_against += _timed(theirs_all, 1)
+                    row.update(prepare_min_ms=round(min(whole) * 1e3, 2),
+                               against_prepare_min_ms=round(min(whole_against) * 1e3, 2),
+                               prepare_over_against=round(min(whole) / min(whole_against), 3))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = {"cells": len(rows), "min_ms_max": max(r["min_ms"] for r in rows),
                "min_ms_median": statistics.median(r["min_ms"] for r in rows),
                "cells_min_over_5ms": sum(r["min_ms"] > 5 for r in rows),
                "cells_median_over_5ms": sum(r["median_ms"] > 5 for r in rows)}
+    if other is not None and a.prepare:
+        summary.update(prepare_over_against_median=statistics.median(r["prepare_over_against"] for r in rows),
+                       prepare_over_against_max=max(r["prepare_over_against"] for r in rows))
     if other is not None:
         summary.update(over_against_median=statistics.median(r["over_against"] for r in rows),
                        over_against_max=max(r["over_against"] for r in rows),

@@ -255,10 +255,10 @@ def _same_family(named: str, shown: str) -> bool:
 
 def _by_type(items: list[tuple[str, Mapping]], table: tuple[tuple[str, str], ...], nodes: Mapping[str, type],
              what: str) -> Finding | None:
-    for pattern, family in table:  # the table's order is the evidence's priority
-        for node_id, node in items:
-            cls = node["class_type"]
-            if cls not in nodes and re.search(pattern, cls):
+    unknown = [(node_id, node["class_type"]) for node_id, node in items if node["class_type"] not in nodes]
+    for pattern, family in table:  # the table's order is the evidence's priority; known types once, not per pattern
+        for node_id, cls in unknown:
+            if re.search(pattern, cls):
                 return Finding(family, node_id, cls, what.format(family=family))
     return None
 

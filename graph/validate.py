@@ -437,6 +437,36 @@ def _cycle_errors(g: nx.DiGraph) -> dict[str, dict]:
 # -------------------------------------------------------------------------------------------- prompt
 
 
+def _as_checked(prompt: Mapping, visits: Mapping[str, list], edge_links: Mapping[tuple[str, str], list]) -> nx.DiGraph:
+    """The checked nodes and their good links as a graph, built in the order they were checked."""
+    g = nx.DiGraph()
+    for nid, links in visits.items():
+        g.add_node(nid, class_type=prompt[nid]["class_type"])
+        for _name, src, _slot in links:
+            if not g.has_edge(src, nid):
+                g.add_edge(src, nid, links=edge_links[src, nid])
+    return g
+
+
+def _as_copied(prompt: Mapping, visits: Mapping[str, list], edge_links: Mapping[tuple[str, str], list]) -> nx.DiGraph:
+    """`_as_checked(...).copy()`, built at once (a graph costs as much to copy as to build): the same nodes in the same
+    order (a node comes when it is checked or first linked to), each node's consumers in the order its edges were
+    found and, as networkx copies a graph, its producers in node order."""
+    order: dict[str, None] = {}
+    for nid, links in visits.items():
+        order.setdefault(nid)
+        for _name, src, _slot in links:
+            order.setdefault(src)
+    consumers: dict[str, list[str]] = {n: [] for n in order}
+    for src, nid in edge_links:
+        consumers[src].append(nid)
+    dag = nx.DiGraph()
+    for n in order:
+        dag.add_node(n, class_type=prompt[n]["class_type"])
+    dag.add_edges_from((u, v, {"links": edge_links[u, v]}) for u in order for v in consumers[u])
+    return dag
+
+
 def _failed(error: dict, node_errors: dict | None = None) -> Validation:
     return Validation(False, error, node_errors or {}, (), nx.DiGraph())
 
@@ -463,32 +493,31 @@ def validate(prompt: dict, nodes: Mapping[str, type], folders: Any = None,
                             "prompt"))
 
     memo = _Memo(folders)
-    g = nx.DiGraph()
     errors: dict[str, list[dict]] = {}
     converted: dict[str, dict] = {}
-    edge_links: dict[tuple[str, str], list] = {}  # (source, consumer) -> the edge's "links" list
+    visits: dict[str, list[tuple[str, str, int]]] = {}  # node -> its good links, in the order the nodes were checked
+    edge_links: dict[tuple[str, str], list] = {}  # (source, consumer) -> the edge's "links", edges in order found
     stack = list(reversed(wanted))
     while stack:  # ComfyUI's recursion over good links, made iterative (a cycle cannot loop it)
         nid = stack.pop()
         if nid in errors:
             continue
-        errors[nid], links, converted[nid] = _check_node(nid, prompt, nodes, memo)
-        g.add_node(nid, class_type=prompt[nid]["class_type"])
-        for name, src, slot in links:
-            pairs = edge_links.get((src, nid))
-            if pairs is None:  # networkx's edge views cost more than the rest of a link's check
-                pairs = edge_links[src, nid] = []
-                g.add_edge(src, nid, links=pairs)
-            pairs.append((slot, name))
+        errors[nid], visits[nid], converted[nid] = _check_node(nid, prompt, nodes, memo)
+        for name, src, slot in visits[nid]:
+            edge_links.setdefault((src, nid), []).append((slot, name))
             stack.append(src)
+
+    if not any(errors.values()):  # every node checked is upstream of an output: the dag is all of them, unless a cycle
+        dag = _as_copied(prompt, visits, edge_links)
+        if nx.is_directed_acyclic_graph(dag):
+            validated = {n: {**{k: v for k, v in prompt[n].items() if k != "inputs"}, "inputs": converted[n]}
+                         for n in prompt if n in dag}
+            return Validation(True, None, {}, tuple(wanted), dag, validated)
+    g = _as_checked(prompt, visits, edge_links)
     for n, e in _cycle_errors(g).items():
         errors[n].append(e)
 
     bad = {n for n, e in errors.items() if e}
-    if not bad:  # every node of g is upstream of an output, so the dag is all of g: no ancestors to find
-        validated = {n: {**{k: v for k, v in prompt[n].items() if k != "inputs"}, "inputs": converted[n]}
-                     for n in prompt if n in g}
-        return Validation(True, None, {}, tuple(wanted), g.copy(), validated)
     invalid = bad.union(*(nx.descendants(g, n) for n in bad))
     needs = {o: nx.ancestors(g, o) | {o} for o in wanted}
     good = tuple(o for o in wanted if o not in invalid)

@@ -86,8 +86,11 @@ class _AssumedFiles(Folders):
 
 def _model_names(prompt: Any) -> frozenset[str]:
     """Every literal input of `prompt` that looks like a model file name."""
-    nodes = prompt.values() if isinstance(prompt, Mapping) else ()
-    return frozenset(v for n in nodes if isinstance(n, Mapping) and isinstance(n.get("inputs"), Mapping)
+    def mapping(x: Any) -> bool:  # isinstance(x, Mapping), a dict's answered at once (an ABC's costs ten times more)
+        return isinstance(x, dict) or isinstance(x, Mapping)
+
+    nodes = prompt.values() if mapping(prompt) else ()
+    return frozenset(v for n in nodes if mapping(n) and mapping(n.get("inputs"))
                      for v in n["inputs"].values() if isinstance(v, str) and v.lower().endswith(MODEL_EXTENSIONS))
 
 

@@ -59,15 +59,21 @@ def propagate(prompt: Mapping[str, dict], dag: nx.DiGraph, nodes: Mapping[str, t
     return costs
 
 
-def _order_key(node: str) -> tuple:
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in node.split(":"))
+def _part_key(part: str) -> tuple:
+    """The sort key of one ':'-separated part of a node id: numbers by value, before names."""
+    return (0, int(part), "") if part.isdigit() else (1, 0, part)
 
 
 def _topological(dag: nx.DiGraph) -> Iterator[str]:
-    """`nx.lexicographical_topological_sort(dag, key=_order_key)`'s order: a node is taken as soon as its producers
-    are, the least by `_order_key` (then by position in `dag`) first. Each node is ranked once, and the heap holds
-    ranks: networkx's heap compares the keys' nested tuples, and its views cost more than the rest."""
-    ranked = sorted(dag, key=_order_key)  # stable: equal keys keep their order in dag, networkx's tie break
+    """`nx.lexicographical_topological_sort(dag, key=...)`'s order, the key a node id's parts' `_part_key`s: a node is
+    taken as soon as its producers are, the least key (then the first in `dag`) first. Each node is ranked once, and
+    the heap holds ranks: networkx's heap compares the keys' nested tuples, and its views cost more than the rest."""
+    parts: dict[str, tuple] = {}  # each part keyed once: a queue's ids repeat theirs ("q12:5", "q12:6", "q13:5")
+
+    def key(node: str) -> tuple:
+        return tuple([parts[p] if p in parts else parts.setdefault(p, _part_key(p)) for p in node.split(":")])
+
+    ranked = sorted(dag, key=key)  # stable: equal keys keep their order in dag, networkx's tie break
     rank = {n: i for i, n in enumerate(ranked)}
     succ = {n: list(after) for n, after in dag.adjacency()}
     waits = {n: 0 for n in ranked}  # producers not yet taken

@@ -202,6 +202,8 @@ def _convert(input_type: Any, val: Any) -> Any:
 def _link(val: list) -> tuple[str, int] | None:
     """(source id, output index) of a well-formed link (`is_link`, after an int node id is read as its str), else
     None."""
+    if len(val) == 2 and type(val[0]) is str and type(val[1]) is int:  # the usual link, at a glance
+        return val[0], val[1]
     if len(val) == 2 and isinstance(val[0], int) and not isinstance(val[0], bool):
         val = [str(val[0]), val[1]]
     return (val[0], val[1]) if is_link(val) else None

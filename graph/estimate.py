@@ -7,8 +7,9 @@ turns the costs into the planner's terms. Nothing here imports torch.
 
 from __future__ import annotations
 
+import heapq
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import networkx as nx
@@ -35,7 +36,7 @@ def propagate(prompt: Mapping[str, dict], dag: nx.DiGraph, nodes: Mapping[str, t
     """Every node's Cost (output infos, variants) in topological order; `with_defaults(cls, inputs)` fills defaults."""
     costs: dict[str, Cost] = {}
     outputs: dict[str, tuple] = {}
-    for node in nx.lexicographical_topological_sort(dag, key=_order_key):
+    for node in _topological(dag):
         cls = nodes[prompt[node]["class_type"]]
         inputs = inputs_of(prompt, node, outputs)
         unknown = [k for k, v in inputs.items() if v is UNKNOWN]
@@ -58,8 +59,37 @@ def propagate(prompt: Mapping[str, dict], dag: nx.DiGraph, nodes: Mapping[str, t
     return costs
 
 
-def _order_key(node: str) -> tuple:
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in node.split(":"))
+def _part_key(part: str) -> tuple:
+    """The sort key of one ':'-separated part of a node id: numbers by value, before names."""
+    return (0, int(part), "") if part.isdigit() else (1, 0, part)
+
+
+def _topological(dag: nx.DiGraph) -> Iterator[str]:
+    """`nx.lexicographical_topological_sort(dag, key=...)`'s order, the key a node id's parts' `_part_key`s: a node is
+    taken as soon as its producers are, the least key (then the first in `dag`) first. Each node is ranked once, and
+    the heap holds ranks: networkx's heap compares the keys' nested tuples, and its views cost more than the rest."""
+    parts: dict[str, tuple] = {}  # each part keyed once: a queue's ids repeat theirs ("q12:5", "q12:6", "q13:5")
+
+    def key(node: str) -> tuple:
+        return tuple([parts[p] if p in parts else parts.setdefault(p, _part_key(p)) for p in node.split(":")])
+
+    ranked = sorted(dag, key=key)  # stable: equal keys keep their order in dag, networkx's tie break
+    rank = {n: i for i, n in enumerate(ranked)}
+    succ = {n: list(after) for n, after in dag.adjacency()}
+    waits = {n: 0 for n in ranked}  # producers not yet taken
+    for after in succ.values():
+        for v in after:
+            waits[v] += 1
+    ready = [rank[n] for n in ranked if not waits[n]]  # ascending: already a heap
+    while ready:
+        node = ranked[heapq.heappop(ready)]
+        for v in succ[node]:
+            waits[v] -= 1
+            if not waits[v]:
+                heapq.heappush(ready, rank[v])
+        yield node
+    if any(waits.values()):
+        raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
 
 
 def planner_inputs(prompt: Mapping[str, dict], costs: Mapping[str, Cost]

@@ -24,7 +24,7 @@ from ..nodes.files import MODEL_EXTENSIONS, Folders
 from ..nodes.types import is_link
 from . import estimate, planner
 from .errors import ValidationFailed
-from .validate import inputs_with_defaults, validate
+from .validate import Defaults, inputs_with_defaults, validate
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class Prepared:
     hidden: Mapping[str, tuple[dict, dict | None]] = field(default_factory=dict)  # queued: node -> own prompt, pnginfo
 
 
+_KEY_TEXT = json.JSONEncoder(sort_keys=True, default=str)  # json.dumps(key, sort_keys=True, default=str), made once
+
+
 def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph, changed: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Per node a hash of its class, its inputs (linked inputs by their source's signature, so a change anywhere
     reaches every node after it) and its `changed` value: what `IS_CHANGED` said of the files it reads (ComfyUI's
@@ -51,7 +54,7 @@ def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph, changed: Mapping[str
         spec = prompt[node]
         inputs = {k: ["link", sig.get(v[0], v[0]), v[1]] if is_link(v) else v for k, v in spec["inputs"].items()}
         key = [spec["class_type"], inputs] + ([changed[node]] if node in changed else [])
-        text = json.dumps(key, sort_keys=True, default=str)
+        text = _KEY_TEXT.encode(key)
         sig[node] = hashlib.sha256(text.encode()).hexdigest()[:24]
     return sig
 
@@ -83,8 +86,11 @@ class _AssumedFiles(Folders):
 
 def _model_names(prompt: Any) -> frozenset[str]:
     """Every literal input of `prompt` that looks like a model file name."""
-    nodes = prompt.values() if isinstance(prompt, Mapping) else ()
-    return frozenset(v for n in nodes if isinstance(n, Mapping) and isinstance(n.get("inputs"), Mapping)
+    def mapping(x: Any) -> bool:  # isinstance(x, Mapping), a dict's answered at once (an ABC's costs ten times more)
+        return isinstance(x, dict) or isinstance(x, Mapping)
+
+    nodes = prompt.values() if mapping(prompt) else ()
+    return frozenset(v for n in nodes if mapping(n) and mapping(n.get("inputs"))
                      for v in n["inputs"].values() if isinstance(v, str) and v.lower().endswith(MODEL_EXTENSIONS))
 
 
@@ -105,15 +111,15 @@ def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: 
     if not check.ok:
         raise ValidationFailed(check.response())
     prompt = {n: check.prompt[n] for n in check.dag.nodes}
-    costs = estimate.propagate(prompt, check.dag, nodes, catalog,
-                               lambda cls, inp: inputs_with_defaults(cls, inp, folders))
+    costs = estimate.propagate(prompt, check.dag, nodes, catalog, Defaults(folders))
     sigs = signatures(prompt, check.dag, changes(prompt, check.dag, nodes, folders, costs))
     held = set(cached)
     done = tuple(n for n in check.dag.nodes if sigs[n] in held)
     node_costs, models = estimate.planner_inputs(prompt, costs)
     for key, m in (resident or {}).items():
         models.setdefault(key, m)
-    todo = check.dag.subgraph(n for n in check.dag.nodes if n not in done).copy()
+    # the planner only reads the graph: a copy is made only of the part that is not cached
+    todo = check.dag.subgraph(n for n in check.dag.nodes if n not in done).copy() if done else check.dag
     plan = planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, budget, cost,
                         start or planner.Residency(), repeat=repeat)
     return Prepared(prompt, check.dag, check.outputs, costs, sigs, done, plan)

@@ -14,6 +14,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 
@@ -26,14 +27,56 @@ class Merged:
     members: tuple[dict[str, str], ...]  # per queued prompt: its node id -> id in the merged prompt
 
 
+_PLAIN = (str, int, float, bool, type(None))
+_KEY_TEXT = json.JSONEncoder(sort_keys=True, default=str)  # json.dumps(key, sort_keys=True, default=str), made once
+
+
+class _NotPlain(Exception):
+    pass
+
+
 def _order(prompt: Mapping[str, dict]) -> list[str]:
-    g = nx.DiGraph()
-    g.add_nodes_from(prompt)
+    """`nx.topological_sort`'s order of the prompt's nodes (links to nodes not in it left out), on plain dicts: as
+    networkx takes them, by generations, each in the order its nodes became ready (a graph per prompt cost a fifth of
+    merging 64 prompts)."""
+    consumers: dict[str, dict[str, None]] = {n: {} for n in prompt}  # a second link between two nodes is one edge
     for node, spec in prompt.items():
         for v in spec.get("inputs", {}).values():
             if is_link(v) and v[0] in prompt:
-                g.add_edge(v[0], node)
-    return list(nx.topological_sort(g))
+                consumers[v[0]][node] = None
+    waits = dict.fromkeys(prompt, 0)
+    for after in consumers.values():
+        for n in after:
+            waits[n] += 1
+    order = [n for n in prompt if not waits[n]]
+    for node in order:  # appended to while read: each generation after the one before
+        for n in consumers[node]:
+            waits[n] -= 1
+            if not waits[n]:
+                order.append(n)
+    if len(order) < len(waits):
+        raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
+    return order
+
+
+def _copied(spec: dict) -> dict:
+    """`copy.deepcopy(spec)`, rebuilt directly when it is a shallow tree of dicts and lists of plain values, each met
+    once (what JSON gives: deepcopy's bookkeeping took half of merging 64 prompts); anything else by deepcopy."""
+    seen: set[int] = set()
+
+    def rebuild(x: Any, depth: int) -> Any:  # x: not a plain value
+        if type(x) not in (dict, list) or id(x) in seen or depth > 16:
+            raise _NotPlain
+        seen.add(id(x))
+        if type(x) is list:
+            return [v if type(v) in _PLAIN else rebuild(v, depth + 1) for v in x]
+        return {k if type(k) in _PLAIN else rebuild(k, depth + 1): v if type(v) in _PLAIN else rebuild(v, depth + 1)
+                for k, v in x.items()}
+
+    try:
+        return rebuild(spec, 0)
+    except _NotPlain:
+        return copy.deepcopy(spec)
 
 
 def needed(prompt: Mapping[str, dict], outputs: Sequence[str]) -> dict:
@@ -59,11 +102,10 @@ def merge(prompts: Sequence[Mapping[str, dict]], output_types: frozenset[str] = 
     for i, prompt in enumerate(prompts):
         rename: dict[str, str] = {}
         for node in _order(prompt):
-            spec = copy.deepcopy(dict(prompt[node]))
+            spec = _copied(dict(prompt[node]))
             spec["inputs"] = {k: [rename[v[0]], v[1]] if is_link(v) and v[0] in rename else v
                               for k, v in spec.get("inputs", {}).items()}
-            key = hashlib.sha256(json.dumps([spec["class_type"], spec["inputs"]], sort_keys=True,
-                                            default=str).encode()).hexdigest()
+            key = hashlib.sha256(_KEY_TEXT.encode([spec["class_type"], spec["inputs"]]).encode()).hexdigest()
             if spec["class_type"] not in output_types and key in by_signature:
                 rename[node] = by_signature[key]
                 continue

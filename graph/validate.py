@@ -103,11 +103,36 @@ def _declared(types: Mapping[str, Any]) -> list[tuple[str, str, Any, dict]]:
 
 def inputs_with_defaults(class_type_cls: type, inputs: Mapping[str, Any], folders: Any = None) -> dict:
     """`inputs` plus the declared default of every absent widget input that has one (for the executor)."""
+    return _with_defaults(inputs, _defaults(class_type_cls, folders))
+
+
+def _defaults(cls: type, folders: Any) -> list[tuple[str, Any]]:
+    """(name, default) of each declared input with a default, in declaration order."""
+    return [(name, opts["default"]) for name, _cat, _typ, opts in _declared(input_types(cls, folders))
+            if "default" in opts]
+
+
+def _with_defaults(inputs: Mapping[str, Any], defaults: list[tuple[str, Any]]) -> dict:
     out = dict(inputs)
-    for name, _cat, _typ, opts in _declared(input_types(class_type_cls, folders)):
-        if name not in out and "default" in opts:
-            out[name] = copy.deepcopy(opts["default"])
+    for name, default in defaults:
+        if name not in out:
+            out[name] = copy.deepcopy(default)
     return out
+
+
+class Defaults:
+    """`inputs_with_defaults(cls, inputs, folders)` for the nodes of one prompt, reading each class's INPUT_TYPES once
+    (a queue of 64 prompts asks the same few classes hundreds of times, and a loader's INPUT_TYPES lists a folder).
+    Made per prompt: a folder's files change between prompts."""
+
+    def __init__(self, folders: Any = None) -> None:
+        self.folders = folders
+        self._of: dict[type, list[tuple[str, Any]]] = {}
+
+    def __call__(self, cls: type, inputs: Mapping[str, Any]) -> dict:
+        if cls not in self._of:
+            self._of[cls] = _defaults(cls, self.folders)
+        return _with_defaults(inputs, self._of[cls])
 
 
 def _jsonable(x: Any) -> Any:
@@ -177,9 +202,16 @@ def _convert(input_type: Any, val: Any) -> Any:
 def _link(val: list) -> tuple[str, int] | None:
     """(source id, output index) of a well-formed link (`is_link`, after an int node id is read as its str), else
     None."""
+    if len(val) == 2 and type(val[0]) is str and type(val[1]) is int:  # the usual link, at a glance
+        return val[0], val[1]
     if len(val) == 2 and isinstance(val[0], int) and not isinstance(val[0], bool):
         val = [str(val[0]), val[1]]
     return (val[0], val[1]) if is_link(val) else None
+
+
+def _is_mapping(x: Any) -> bool:
+    """isinstance(x, Mapping), a dict's answered at once (an ABC's isinstance costs ten times a dict's)."""
+    return isinstance(x, dict) or isinstance(x, Mapping)
 
 
 # ---------------------------------------------------------------------------------------- top level
@@ -192,7 +224,7 @@ def _check_top(prompt: Any, nodes: Mapping[str, type]) -> dict | None:
                     f"got {type(prompt).__name__}; send the API format: "
                     '{"<id>": {"class_type": ..., "inputs": {...}}}')
     for x, node in prompt.items():
-        if not isinstance(node, Mapping):
+        if not _is_mapping(node):
             return _err("invalid_prompt", "Cannot execute because a node is not an object.",
                         f"Node ID '#{x}': got {type(node).__name__}; a node is "
                         '{"class_type": ..., "inputs": {...}}', node_id=str(x))
@@ -203,7 +235,7 @@ def _check_top(prompt: Any, nodes: Mapping[str, type]) -> dict | None:
         if class_type not in nodes:
             return _err("missing_node_type", f"Node '{class_type}' not found. The custom node may not be installed.",
                         f"Node ID '#{x}'", node_id=str(x), class_type=class_type)
-        if not isinstance(node.get("inputs", {}), Mapping):
+        if not _is_mapping(node.get("inputs", {})):
             return _err("invalid_prompt", "Cannot execute because a node's inputs are not an object.",
                         f"Node ID '#{x}': 'inputs' is a {type(node['inputs']).__name__}; give "
                         "an object of input name -> value or [source id, output index]",
@@ -214,8 +246,8 @@ def _check_top(prompt: Any, nodes: Mapping[str, type]) -> dict | None:
 # ---------------------------------------------------------------------------------------- one node
 
 
-def _check_linked(x: str, val: list, input_type: Any, info: tuple, prompt: Mapping,
-                  nodes: Mapping[str, type]) -> tuple[dict | None, tuple[str, int] | None]:
+def _check_linked(x: str, val: list, input_type: Any, info: tuple, prompt: Mapping, nodes: Mapping[str, type],
+                  memo: _Memo) -> tuple[dict | None, tuple[str, int] | None]:
     """An input given as a link: (error, None) or (None, (source, index))."""
     link = _link(val)
     if link is None:
@@ -228,6 +260,9 @@ def _check_linked(x: str, val: list, input_type: Any, info: tuple, prompt: Mappi
                     f"{x}: links to node '{src}', which is not in the prompt; connect it to an existing node",
                     input_name=x, input_config=info, received_value=val, linked_node=val), None
     src_class = prompt[src]["class_type"]
+    fits = (src_class, slot, input_type) if isinstance(input_type, str) else None
+    if fits in memo.links:  # a queue's twins link the same output types into the same inputs: checked once
+        return None, (src, slot)
     returns = tuple(getattr(nodes[src_class], "RETURN_TYPES", ()))
     if not 0 <= slot < len(returns):
         return _err("bad_linked_input", "Bad linked input, the output index is out of range",
@@ -241,7 +276,13 @@ def _check_linked(x: str, val: list, input_type: Any, info: tuple, prompt: Mappi
                     f"node {src} ({src_class}) output {slot} is {_type_name(received)}, connect a "
                     f"{_type_name(input_type)} output instead",
                     input_name=x, input_config=info, received_type=received, linked_node=val), None
+    if fits is not None:
+        memo.links.add(fits)
     return None, (src, slot)
+
+
+def _allowed(lo: Any, hi: Any) -> str:
+    return f"allowed {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
 
 
 def _check_literal(x: str, val: Any, input_type: Any, opts: dict, info: tuple) -> tuple[dict | None, Any]:
@@ -254,15 +295,14 @@ def _check_literal(x: str, val: Any, input_type: Any, opts: dict, info: tuple) -
                     f"{x}, {val}, {ex}{hint}", input_name=x, input_config=info, received_value=val,
                     exception_message=str(ex)), None
     lo, hi = opts.get("min"), opts.get("max")
-    allowed = f"allowed {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
     try:
         if lo is not None and val < lo:
             return _err("value_smaller_than_min", f"Value {val} smaller than min of {lo}",
-                        f"{x}: {allowed}; set {x} to at least {lo}", input_name=x, input_config=info,
+                        f"{x}: {_allowed(lo, hi)}; set {x} to at least {lo}", input_name=x, input_config=info,
                         received_value=val), None
         if hi is not None and val > hi:
             return _err("value_bigger_than_max", f"Value {val} bigger than max of {hi}",
-                        f"{x}: {allowed}; set {x} to at most {hi}", input_name=x, input_config=info,
+                        f"{x}: {_allowed(lo, hi)}; set {x} to at most {hi}", input_name=x, input_config=info,
                         received_value=val), None
     except TypeError as ex:  # a value of a type that does not compare with its bounds
         return _err("invalid_input_type", f"Failed to convert an input value to a {input_type} value",
@@ -276,28 +316,51 @@ def _check_literal(x: str, val: Any, input_type: Any, opts: dict, info: tuple) -
     return None, val
 
 
-def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type], folders: Any,
-                specs: dict[str, dict]) -> tuple[list[dict], list[tuple[str, str, int]], dict]:
+@dataclass
+class _Memo:
+    """What one validation learns once and every node reuses: a queue of 64 prompts has 64 twins of most nodes, with
+    the same class, the same links' types and mostly the same literals. Only what passed is remembered: an error is
+    worked out again for each node, as it names the node."""
+
+    folders: Any
+    specs: dict[str, dict] = field(default_factory=dict)  # class_type -> its INPUT_TYPES
+    declared: dict[str, tuple[list, set]] = field(default_factory=dict)  # class_type -> (_declared rows, their names)
+    literals: dict[tuple, Any] = field(default_factory=dict)  # (class_type, input, type, value) -> the value converted
+    links: set[tuple] = field(default_factory=set)  # (source class, output index, input type) of links that fit
+
+    def declared_of(self, class_type: str, nodes: Mapping[str, type]) -> tuple[list, set]:
+        """The class's declared inputs (name, category, type, options, (type, options)) and their names."""
+        got = self.declared.get(class_type)
+        if got is None:
+            if class_type not in self.specs:
+                self.specs[class_type] = input_types(nodes[class_type], self.folders)
+            rows = [(x, cat, t, opts, (t, opts)) for x, cat, t, opts in _declared(self.specs[class_type])]
+            got = self.declared[class_type] = rows, {x for x, *_ in rows}
+        return got
+
+
+# literal values a queue's twins share, remembered by (type, value): a float is not (0.0 == -0.0 would mix them up)
+_SHARED_LITERALS = (str, int, bool)
+
+
+def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type],
+                memo: _Memo) -> tuple[list[dict], list[tuple[str, str, int]], dict]:
     """ComfyUI's validate_inputs for one node without recursion: (errors, good links, converted inputs)."""
     class_type = prompt[node_id]["class_type"]
     inputs = dict(prompt[node_id].get("inputs") or {})
     try:
-        if class_type not in specs:
-            specs[class_type] = input_types(nodes[class_type], folders)
-        declared = _declared(specs[class_type])
+        declared, names = memo.declared_of(class_type, nodes)
     except Exception as ex:  # a node class whose INPUT_TYPES raises: ComfyUI reports the exception
         return [_err("exception_during_validation", "Exception when validating node",
                      f"{class_type}.INPUT_TYPES raised {type(ex).__name__}: {ex}; fix or reinstall the node",
                      exception_message=str(ex), exception_type=type(ex).__name__)], [], inputs
     errors: list[dict] = []
     links: list[tuple[str, str, int]] = []
-    names = {x for x, *_ in declared}
     for x in [k for k in inputs if k not in names]:  # as ComfyUI: an input the node does not declare is ignored
         log.warning("node %s (%s): input %r is not one of its inputs (%s); ignored", node_id, class_type,
                     str(x)[:80], ", ".join(sorted(names)) or "it has none")
         del inputs[x]
-    for x, category, input_type, opts in declared:
-        info = (input_type, opts)
+    for x, category, input_type, opts, info in declared:
         if x not in inputs:
             if category == "required":
                 widget = input_type in (*PRIMITIVES, COMBO) or isinstance(input_type, list | tuple)
@@ -306,10 +369,15 @@ def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type], folder
                                    input_name=x))
             continue
         val = inputs[x]
-        if isinstance(val, Mapping) and "__value__" in val:  # a list widget value, wrapped (ComfyUI)
+        key = (class_type, x, type(val), val) if type(val) in _SHARED_LITERALS else None
+        if key is not None:  # a str, int or bool: no wrapped value, no link (and no ABC's slow isinstance to say so)
+            if key in memo.literals:
+                inputs[x] = memo.literals[key]
+                continue
+        elif type(val) is not list and _is_mapping(val) and "__value__" in val:  # a list widget value, wrapped
             val = val["__value__"]
         elif isinstance(val, list):
-            error, link = _check_linked(x, val, input_type, info, prompt, nodes)
+            error, link = _check_linked(x, val, input_type, info, prompt, nodes, memo)
             if error is not None:
                 errors.append(error)
             else:
@@ -321,8 +389,10 @@ def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type], folder
             errors.append(error)
         else:
             inputs[x] = converted
+            if key is not None:
+                memo.literals[key] = converted
     if not errors:
-        errors = _custom_validation(nodes[class_type], inputs, folders)
+        errors = _custom_validation(nodes[class_type], inputs, memo.folders)
     return errors, links, inputs
 
 
@@ -375,6 +445,36 @@ def _cycle_errors(g: nx.DiGraph) -> dict[str, dict]:
 # -------------------------------------------------------------------------------------------- prompt
 
 
+def _as_checked(prompt: Mapping, visits: Mapping[str, list], edge_links: Mapping[tuple[str, str], list]) -> nx.DiGraph:
+    """The checked nodes and their good links as a graph, built in the order they were checked."""
+    g = nx.DiGraph()
+    for nid, links in visits.items():
+        g.add_node(nid, class_type=prompt[nid]["class_type"])
+        for _name, src, _slot in links:
+            if not g.has_edge(src, nid):
+                g.add_edge(src, nid, links=edge_links[src, nid])
+    return g
+
+
+def _as_copied(prompt: Mapping, visits: Mapping[str, list], edge_links: Mapping[tuple[str, str], list]) -> nx.DiGraph:
+    """`_as_checked(...).copy()`, built at once (a graph costs as much to copy as to build): the same nodes in the same
+    order (a node comes when it is checked or first linked to), each node's consumers in the order its edges were
+    found and, as networkx copies a graph, its producers in node order."""
+    order: dict[str, None] = {}
+    for nid, links in visits.items():
+        order.setdefault(nid)
+        for _name, src, _slot in links:
+            order.setdefault(src)
+    consumers: dict[str, list[str]] = {n: [] for n in order}
+    for src, nid in edge_links:
+        consumers[src].append(nid)
+    dag = nx.DiGraph()
+    for n in order:
+        dag.add_node(n, class_type=prompt[n]["class_type"])
+    dag.add_edges_from((u, v, {"links": edge_links[u, v]}) for u in order for v in consumers[u])
+    return dag
+
+
 def _failed(error: dict, node_errors: dict | None = None) -> Validation:
     return Validation(False, error, node_errors or {}, (), nx.DiGraph())
 
@@ -400,22 +500,28 @@ def validate(prompt: dict, nodes: Mapping[str, type], folders: Any = None,
                             f"add an output node ({', '.join(out_types[:6])}) or select outputs that are in the "
                             "prompt"))
 
-    specs: dict[str, dict] = {}
-    g = nx.DiGraph()
+    memo = _Memo(folders)
     errors: dict[str, list[dict]] = {}
     converted: dict[str, dict] = {}
+    visits: dict[str, list[tuple[str, str, int]]] = {}  # node -> its good links, in the order the nodes were checked
+    edge_links: dict[tuple[str, str], list] = {}  # (source, consumer) -> the edge's "links", edges in order found
     stack = list(reversed(wanted))
     while stack:  # ComfyUI's recursion over good links, made iterative (a cycle cannot loop it)
         nid = stack.pop()
         if nid in errors:
             continue
-        errors[nid], links, converted[nid] = _check_node(nid, prompt, nodes, folders, specs)
-        g.add_node(nid, class_type=prompt[nid]["class_type"])
-        for name, src, slot in links:
-            if not g.has_edge(src, nid):
-                g.add_edge(src, nid, links=[])
-            g.edges[src, nid]["links"].append((slot, name))
+        errors[nid], visits[nid], converted[nid] = _check_node(nid, prompt, nodes, memo)
+        for name, src, slot in visits[nid]:
+            edge_links.setdefault((src, nid), []).append((slot, name))
             stack.append(src)
+
+    if not any(errors.values()):  # every node checked is upstream of an output: the dag is all of them, unless a cycle
+        dag = _as_copied(prompt, visits, edge_links)
+        if nx.is_directed_acyclic_graph(dag):
+            validated = {n: {**{k: v for k, v in prompt[n].items() if k != "inputs"}, "inputs": converted[n]}
+                         for n in prompt if n in dag}
+            return Validation(True, None, {}, tuple(wanted), dag, validated)
+    g = _as_checked(prompt, visits, edge_links)
     for n, e in _cycle_errors(g).items():
         errors[n].append(e)
 
@@ -436,4 +542,4 @@ def validate(prompt: dict, nodes: Mapping[str, type], folders: Any = None,
                    node_errors)
 
 
-__all__ = ["Validation", "input_types", "inputs_with_defaults", "validate"]
+__all__ = ["Defaults", "Validation", "input_types", "inputs_with_defaults", "validate"]

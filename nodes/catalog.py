@@ -132,8 +132,13 @@ class ModelCatalog:
             with self._lock:
                 if key not in self._cache:
                     self._cache[key] = builtin_params(kind, config) * itemsize(self.dtype)
-            return ModelInfo(f"{kind}:{name}:{self.dtype}", kind, LABELS[kind], self._cache[key], config, None,
-                             self.dtype)
+                # one info per name, as a file's (info_at): the estimates are worked out once per info
+                # (nodes/estimates.py `_per_model`), not again for every prompt planned
+                info = ("builtin info", kind, name, self.dtype)
+                if info not in self._cache:
+                    self._cache[info] = ModelInfo(f"{kind}:{name}:{self.dtype}", kind, LABELS[kind], self._cache[key],
+                                                  config, None, self.dtype)
+                return self._cache[info]
         return self.info_at(kind, path, name=name)
 
     def checkpoint_infos_at(self, path: Path, dtype: str | None = None) -> tuple[ModelInfo, ModelInfo, ModelInfo]:

@@ -66,8 +66,8 @@ def main() -> None:
     plan_cells._import()
     from vramgraph.graph import estimate, planner, queue
 
-    against = _other(a.against) if a.against else None
-    other = against.graph.planner if against else None
+    other_pkg = _other(a.against) if a.against else None
+    other = other_pkg.graph.planner if other_pkg else None
     plan_cells.demo_inputs()
     workflows = list(plan_cells.WORKFLOWS) if a.workflows == ["all"] else a.workflows
     rows = []
@@ -100,11 +100,11 @@ def main() -> None:
                                against_median_ms=round(statistics.median(against) * 1e3, 2),
                                over_against=round(min(times) / min(against), 3))
                 row.update(min_ms=round(min(times) * 1e3, 2), median_ms=round(statistics.median(times) * 1e3, 2))
-                if a.prepare and against is None:
+                if a.prepare and other_pkg is None:
                     whole = _timed(functools.partial(planning.prepare, merged.prompt), a.prepare)
                     row.update(prepare_min_ms=round(min(whole) * 1e3, 2))
                 elif a.prepare:
-                    theirs_all = functools.partial(against.graph.api.Pipeline(
+                    theirs_all = functools.partial(other_pkg.graph.api.Pipeline(
                         input=str(plan_cells.INPUT), host=plan_cells.HOST)._planner(f"{card}GiB").prepare,
                         merged.prompt)
                     whole, whole_against = [], []

@@ -260,29 +260,34 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
     n = len(order)
 
     uses: dict[tuple[str, int], bool] = {}  # (m, a kind of node) -> whether its provisional variant uses m
+    reload: dict[str, float] = {}  # m -> the seconds of its reload with the pinned copies there are (cleared when a
+    #                                copy is made)
+    ahead = after.ahead
 
     def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
         """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
         weighed.add(m)
-        table = after.ahead.get(m)
+        table = ahead.get(m)
         j = table[i + 1] if table is not None else n
         if j < n:  # (NextUse.first, for a use in this run)
-            node = order[j]
-            use = uses.get((m, kinds[node]))
+            kind = m, kinds[order[j]]
+            use = uses.get(kind)
             if use is None:
-                use = uses[(m, kinds[node])] = sizes.uses(m, prov[node])
-            got: tuple[Variant, int] | None = None
+                use = uses[kind] = sizes.uses(m, prov[order[j]])
+            d = j - i
         else:
             got = after.first(m, i, chosen, cur)
-            table = after.ahead[m]
+            table = ahead[m]
             j = table[i + 1]
             use = got is not None and sizes.uses(m, got[0])
+            d = got[1] if got is not None else _INF
         targets.append((table, j if j < n or not repeat else -1))
         if use:  # (the next node that meets m uses it, rather than not fitting beside it)
-            if sizes.base(m) is not None:  # a kept part: uploaded again by the next node that streams its model
-                answer = w[m] / part_bw, j - i if got is None else got[1]
-            else:  # m is resident: pinned by now if ever
-                answer = cm.load_seconds(w[m], m in pinned), j - i if got is None else got[1]
+            r = reload.get(m)
+            if r is None:  # a kept part: uploaded again by the next node that streams its model; a model: pinned by
+                #            now if ever (it is resident)
+                r = reload[m] = w[m] / part_bw if sizes.base(m) is not None else cm.load_seconds(w[m], m in pinned)
+            answer = r, d
         else:
             answer = 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
         asked.append((m, cur, answer))
@@ -508,6 +513,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
             if pin:
                 pinned.add(m)
                 copies = frozenset(pinned)
+                reload.clear()
             resident.append(m)
             held += w[m]
             now = tuple(resident)
@@ -519,6 +525,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
             if m in pins and m not in pinned:
                 pinned.add(m)
                 copies = frozenset(pinned)
+                reload.clear()
         gpu_bytes = held + v.activation
         if bp is not None:
             if own is not None:  # taken over by this node: reused, or freed as it starts when its blocks differ

@@ -9,6 +9,7 @@ The references below are the earlier code, kept as it was: slow and obvious. Pur
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import random
 from pathlib import Path
@@ -518,3 +519,39 @@ def test_orders_that_differ_only_where_images_load_are_planned_once(tmp_path: Pa
     monkeypatch.setattr(planner, "_SHORTCUTS", False)
     every = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
     assert len(candidates) == 3 and _steps(every) == _steps(once)
+
+
+def plain_grouped(order: list[str], dag: nx.DiGraph, stage: dict[str, str], prov: dict[str, Variant]) -> list[str]:
+    """The grouped order as the heap makes it (graph/order.py `grouped_order` before its sorted shortcut)."""
+    rank: dict[str, int] = {}
+    for n in order:
+        rank.setdefault(stage[n], len(rank))
+    key = {n: (-1 if not (prov[n].models or prov[n].streams or prov[n].activation) else rank[stage[n]], i, n)
+           for i, n in enumerate(order)}
+    indeg = {n: dag.in_degree(n) for n in order}
+    ready = [key[n] for n in order if not indeg[n]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        n = heapq.heappop(ready)[2]
+        out.append(n)
+        for s in dag.successors(n):
+            indeg[s] -= 1
+            if not indeg[s]:
+                heapq.heappush(ready, key[s])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_grouped_order_is_the_heaps_order(seed: int) -> None:
+    """`grouped_order` takes the nodes sorted by their heap keys where that order is topological, else runs the heap:
+    the same order either way, over random queues (decodes that need no GPU make the sorted order fail) and orders."""
+    from vramgraph.graph.order import Shape, grouped_order
+
+    rng = random.Random(seed)
+    dag, prov = queue(rng, rng.choice((1, 2, 3, 8)))
+    stage = {n: n.split(":")[-1] for n in dag}
+    costs = {n: planner.NodeCost(n, stage[n], (prov[n],), host_bytes=1 if prov[n].models else 0) for n in dag}
+    shape = Shape(dag, list(dag), set(), costs)
+    for order in orders(rng, dag)[:3]:  # (topological ones: pass 1's order is)
+        assert grouped_order(order, shape, costs, prov) == plain_grouped(order, dag, stage, prov)

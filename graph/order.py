@@ -147,22 +147,11 @@ class Shape:
         if not self.gate:
             return [], {}
         gate, pos, free_succs = self.gate, self.pos, self.free_succs
+        key = {f: (pos[f], f) for f in gate}
         waiting = {f: len(g) + self.waits[f] for f, g in gate.items()}  # runs and free inputs it still waits for
-        ready = [(pos[f], f) for f, n in waiting.items() if not n]
+        ready = [key[f] for f, n in waiting.items() if not n]
         heapq.heapify(ready)
-
-        def drain() -> list[str]:
-            out = []
-            while ready:
-                f = heapq.heappop(ready)[1]
-                out.append(f)
-                for s in free_succs[f]:
-                    waiting[s] -= 1
-                    if not waiting[s]:
-                        heapq.heappush(ready, (pos[s], s))
-            return out
-
-        first = drain()
+        first = heap_order(ready, waiting, free_succs, key)
         after: dict[str, list[str]] = {}
         gated = self.gated
         for n in order:
@@ -172,10 +161,25 @@ class Shape:
             for f in fs:
                 waiting[f] -= 1
                 if not waiting[f]:
-                    heapq.heappush(ready, (pos[f], f))
+                    heapq.heappush(ready, key[f])
             if ready:
-                after[n] = drain()
+                after[n] = heap_order(ready, waiting, free_succs, key)
         return first, after
+
+
+def heap_order(ready: list[tuple], waiting: dict[str, int], succs: Mapping[str, list[str]],
+               key: Mapping[str, tuple]) -> list[str]:
+    """Kahn's algorithm, the least key first: `ready` a heap of the keys of the nodes that wait for nothing (each key
+    ends with its node), `waiting` what each other node still waits for (counted down as they run)."""
+    out = []
+    while ready:
+        n = heapq.heappop(ready)[-1]
+        out.append(n)
+        for s in succs[n]:
+            waiting[s] -= 1
+            if not waiting[s]:
+                heapq.heappush(ready, key[s])
+    return out
 
 
 def run_order(shape: Shape, costs: Mapping[str, NodeCost], sizes: Sizes, gpu: int, prov: Mapping[str, Variant],
@@ -319,15 +323,7 @@ def grouped_order(order: list[str], shape: Shape, costs: Mapping[str, NodeCost],
     indeg = {n: len(preds[n]) for n in order}
     ready = [key[n] for n in order if not indeg[n]]
     heapq.heapify(ready)
-    out: list[str] = []
-    while ready:
-        n = heapq.heappop(ready)[2]
-        out.append(n)
-        for s in succs[n]:
-            indeg[s] -= 1
-            if not indeg[s]:
-                heapq.heappush(ready, key[s])
-    return out
+    return heap_order(ready, indeg, succs, key)
 
 
 def host_peak(order: list[str], shape: Shape, costs: Mapping[str, NodeCost]) -> int:

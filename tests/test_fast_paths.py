@@ -327,6 +327,24 @@ def _steps(p: planner.Plan) -> list:
     return [(s.step, s.gpu_bytes, s.resident, s.seconds, s.note, s.streams, s.blocks) for s in p.steps]
 
 
+def queued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workflow: str, card_gib: int, side: int, prompts: int,
+           host: str | None = None) -> tuple:
+    """(planning, prepared, node costs, models) of a queue of a shipped workflow, planned as `vramgraph plan` does
+    (bench/plan_cells.py), with the input images the edits load in `tmp_path`."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import plan_cells
+    from vramgraph.graph import estimate
+    from vramgraph.graph import queue as queue_mod
+
+    monkeypatch.setattr(plan_cells, "INPUT", tmp_path / "input")
+    plan_cells.demo_inputs()
+    planning = plan_cells.planning_for(card_gib, None, *([host] if host else []))
+    prep = planning.prepare(queue_mod.merge(plan_cells.prompts_for(workflow, side, prompts),
+                                            frozenset({"VGSaveImage", "SaveImage"})).prompt)
+    node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
+    return planning, prep, {k: node_costs[k] for k in prep.dag.nodes}, models
+
+
 @pytest.mark.parametrize(("workflow", "card_gib", "side", "host"), [
     ("text_to_image.json", 6, 512, "64GiB"), ("core_text_to_image.json", 6, 512, "64GiB"),
     ("text_to_image.json", 6, 1024, "64GiB"), ("edit.json", 8, 1024, "64GiB"),
@@ -345,18 +363,8 @@ def test_remembered_choices_are_the_choices_of_weighing_every_node(tmp_path: Pat
     note, the plan that weighs every node and runs every pass, from an empty GPU, from the residency the first plan
     leaves (kept parts and all) and without repeat. (At 6 GiB and 512² a remembered choice that the look ahead's
     answers did not confirm would change the queue's plan.)"""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    import plan_cells
-    from vramgraph.graph import estimate
-    from vramgraph.graph import queue as queue_mod
-
-    monkeypatch.setattr(plan_cells, "INPUT", tmp_path / "input")
-    plan_cells.demo_inputs()
-    planning = plan_cells.planning_for(card_gib, None, "9GiB" if host == "HOST" else host)
-    prompts = plan_cells.prompts_for(workflow, side, 8)
-    prep = planning.prepare(queue_mod.merge(prompts, frozenset({"VGSaveImage", "SaveImage"})).prompt)
-    node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
-    costs = {k: node_costs[k] for k in prep.dag.nodes}
+    planning, prep, costs, models = queued(tmp_path, monkeypatch, workflow, card_gib, side, 8,
+                                           "9GiB" if host == "HOST" else host)
 
     def plans() -> list:
         first = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
@@ -431,17 +439,7 @@ def test_kinds_by_the_same_objects_are_kinds_by_equal_fields() -> None:
 def test_a_queues_nodes_share_their_estimates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The estimates of a queue's repeated nodes are one object per kind of node (nodes/estimates.py `_per_model`),
     which the planner takes for one kind at a glance; a new model info (a file replaced) gets new ones."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    import plan_cells
-    from vramgraph.graph import estimate
-    from vramgraph.graph import queue as queue_mod
-
-    monkeypatch.setattr(plan_cells, "INPUT", tmp_path / "input")
-    plan_cells.demo_inputs()
-    planning = plan_cells.planning_for(8, None)
-    prep = planning.prepare(queue_mod.merge(plan_cells.prompts_for("edit.json", 1024, 4),
-                                            frozenset({"VGSaveImage", "SaveImage"})).prompt)
-    node_costs, _ = estimate.planner_inputs(prep.prompt, prep.costs)
+    _, prep, node_costs, _ = queued(tmp_path, monkeypatch, "edit.json", 8, 1024, 4)
     by_class: dict[str, set[tuple[int, ...]]] = {}
     for nc in node_costs.values():
         if any(v.models or v.streams for v in nc.variants):
@@ -492,18 +490,7 @@ def test_orders_that_differ_only_where_images_load_are_planned_once(tmp_path: Pa
     differ only in where the input image loads (a node that holds host RAM but uses no GPU, which pass 3 runs where
     it is and no look ahead meets), so pass 3 runs on one of them (graph/planner.py `on_gpu`): two candidate passes
     where every pass run makes three, and the same plan."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    import plan_cells
-    from vramgraph.graph import estimate
-    from vramgraph.graph import queue as queue_mod
-
-    monkeypatch.setattr(plan_cells, "INPUT", tmp_path / "input")
-    plan_cells.demo_inputs()
-    planning = plan_cells.planning_for(6, None)
-    prep = planning.prepare(queue_mod.merge(plan_cells.prompts_for("edit.json", 1024, 8),
-                                            frozenset({"VGSaveImage", "SaveImage"})).prompt)
-    node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
-    costs = {k: node_costs[k] for k in prep.dag.nodes}
+    planning, prep, costs, models = queued(tmp_path, monkeypatch, "edit.json", 6, 1024, 8)
     every_pass = assign.assign
     candidates: list[list[str]] = []
 

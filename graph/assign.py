@@ -445,11 +445,30 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
     held_after: dict[str, int] = {"": held}  # per node: the resident weights' bytes after it ("": at the start)
     copies = frozenset(pinned)  # `known` is by the node's kind, the resident models (in their order) and these
     # A node that left the GPU as it found it (the same resident models in the same order, the same pinned copies: a
-    # queue's next encode or sample that takes over the last one's kept part) is `steady`: the next node of its kind
-    # takes the same choice where the look ahead's answers for it come from the same nodes. Its remembered choice
-    # would be asked the same questions and get the same reload seconds, and distances all one (or more) shorter,
-    # which rank alike.
-    steady: tuple | None = None  # (kind, resident, pinned copies, its answers' targets, variant, bytes copied, row)
+    # queue's next encode or sample that takes over the last one's kept part, or a decode beside it) is `steady`: a
+    # later node of its kind that finds the GPU still so (not a model moved since) takes the same choice where the look
+    # ahead's answers for it are alike (`same_answers`): it would be asked the same questions and get the same reload
+    # seconds, and distances that rank alike.
+    steady: dict[int, tuple] = {}  # per kind: (resident, pinned copies, its answers' targets as (table, position of
+    #                                the next use, its own position), variant, bytes copied, row)
+
+    def same_answers(targets: tuple[tuple[list[int], int, int], ...], i: int) -> bool:
+        """Whether the look ahead answers a node at position i as it answered the steady node of its kind: from the
+        same nodes (all distances shorter by as much), or from nodes of the same kinds at the same distances."""
+        for table, j, _ in targets:
+            if table[i + 1] != j:
+                break
+        else:
+            return True
+        for table, j, at in targets:
+            k = table[i + 1]
+            if k == n or j == n:  # (no use left: in a run that does not repeat, the same answer either way)
+                if k != j:
+                    return False
+            elif k - i != j - at or kinds[order[k]] != kinds[order[j]]:
+                return False
+        return True
+
     for i, node in enumerate(order):
         nc = costs[node]
         vs = nc.variants
@@ -460,17 +479,14 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
             held_after[node] = held
             continue
         kind = kinds[node]
-        if steady is not None and steady[0] == kind and steady[1] is now and steady[2] is copies:
-            for table, j in steady[3]:
-                if table[i + 1] != j:
-                    break
-            else:  # the last node's choice, which left the GPU as it found it (see above)
-                v = chosen[node] = steady[4]
-                moved += steady[5]
-                row = steady[6]
-                rows.append((Run, (node, v.name), row[2], now, row[4], row[5], row[6], row[7]))
-                held_after[node] = held
-                continue
+        got = steady.get(kind)
+        if got is not None and got[0] is now and got[1] is copies and same_answers(got[2], i):
+            v = chosen[node] = got[3]  # its kind's steady choice (see above)
+            moved += got[4]
+            row = got[5]
+            rows.append((Run, (node, v.name), row[2], now, row[4], row[5], row[6], row[7]))
+            held_after[node] = held
+            continue
         before = now, copies
         key = (kind, now, copies) if known is not None else None
         got = known.get(key) if key is not None else None
@@ -543,9 +559,11 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
             now = tuple(resident)
         rows.append((Run, (node, v.name), gpu_bytes, now, secs, note, tuple(v.streams), bp))
         held_after[node] = held
-        steady = None
-        if key is not None and now == before[0] and copies is before[1] and all(j >= 0 for _, j in targets):
-            steady = kind, now, copies, tuple(targets), v, bp.uploaded if bp is not None else 0, rows[-1]
+        if key is not None and copies is before[1] and now == before[0]:
+            now = before[0]  # (the same object: the steady choices are by its identity)
+            if all(j >= 0 for _, j in targets):
+                steady[kind] = now, copies, tuple((t, j, i) for t, j in targets), v, \
+                    bp.uploaded if bp is not None else 0, rows[-1]
     kept_parts = tuple(sizes.parts.get(m) or sizes.models[m] for m in kept.values())
     end = Residency(frozenset(resident), frozenset(pinned), kept_parts)
     return Assigned(rows, chosen, end, loads, unloaded, moved, weighed, held_after)

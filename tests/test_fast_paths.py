@@ -419,6 +419,41 @@ def test_a_remembered_eviction_is_weighed_again_where_the_next_uses_rank_the_oth
         planner._SHORTCUTS = shortcuts
 
 
+@pytest.mark.parametrize("last", ["s2", "x"])
+def test_a_steady_choice_is_taken_again_only_where_the_look_ahead_answers_alike(last: str) -> None:
+    """s0, s1, s2 stream the transformer (one variant object: a kind) beside the VAE (2 GB) that d0 and d1 use; each
+    prices evicting the VAE for room. s1 and d1 leave the GPU as they found it, so their choices are steady
+    (graph/assign.py `assign`). s1 keeps the VAE: d1, one node on, needs it. s2 finds the GPU as s1 left it, but the
+    VAE is never needed again (no node after it) or needed by none before x, one node on, which cannot sit beside it
+    (another kind at the same distance as d1 from s1): its eviction is free and s2 evicts it. Taking s1's choice
+    there would keep it."""
+    blocks = Blocks("dit", (302 * MB,) * 5 + (234 * MB,) * 20, (0.0042,) * 5 + (0.0031,) * 20, fixed=420 * MB,
+                    activation=600 * MB, passes=2)
+    models = {"dit": ModelCost("dit", 420 * MB + sum(blocks.sizes), "dit"), "vae": ModelCost("vae", 2000 * MB, "vae"),
+              "big": ModelCost("big", 3000 * MB, "big")}
+    s = Variant("stream", (), blocks.min_gpu(), 0.1, streams=("dit",), blocks=blocks)
+    d = Variant("gpu", ("vae",), 50 * MB, 0.01)
+    uses = {"d0": d, "s0": s, "s1": s, "d1": d, "s2": s, "x": Variant("gpu", ("big",), 50 * MB, 0.01)}
+    uses = dict(list(uses.items())[:list(uses).index(last) + 1])
+    dag = nx.DiGraph()
+    nx.add_path(dag, list(uses))
+    costs = {n: planner.NodeCost(n, "Node", (v,)) for n, v in uses.items()}
+    budget = planner.Budget(4000 * MB, 64 * 2**30)
+
+    def steps() -> list:
+        return _steps(planner.plan(dag, costs, models, budget, repeat=False))
+
+    got = steps()
+    assert [s.note.split()[-2] for s in planner.plan(dag, costs, models, budget, repeat=False).steps
+            if s.step.kind == "unload" and s.step.model == "vae"] == ["s2"]
+    shortcuts = planner._SHORTCUTS
+    try:
+        planner._SHORTCUTS = False
+        assert steps() == got
+    finally:
+        planner._SHORTCUTS = shortcuts
+
+
 def test_kinds_by_the_same_objects_are_kinds_by_equal_fields() -> None:
     """`node_kinds` takes nodes that list the same variant objects for one kind without comparing fields: only all of
     them the same, in the same order, makes it so; equal objects that are not the same are of a kind by their fields."""

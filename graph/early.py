@@ -48,21 +48,23 @@ class FinishEarly:
                 got = sets[models] = (frozenset(models), tuple(dict.fromkeys(models)))
             need[n], uses[n] = got
         self.need, self.uses = need, uses
-        below: dict[str, frozenset[str]] = {}  # the models the descendants of each node need
-        reach: dict[str, frozenset[str]] = {}  # ... and the node itself
+        reach: dict[str, frozenset[str]] = {}  # the models each node and its descendants need
+        finishing = set()
+        waiting = self.waiting = dict.fromkeys(topo, 0)  # inputs of each node (before any has run)
         for n in reversed(topo):
-            got = _NONE
+            got = _NONE  # the models its descendants need
             for s in succs[n]:
+                waiting[s] += 1
                 r = reach[s]
                 if not r <= got:
                     got = r if not got else got | r
-            below[n] = got
-            reach[n] = need[n] if got <= need[n] else got if need[n] <= got else got | need[n]
-        self.finishing = {n for n in topo if below[n] <= need[n]}
-        self.waiting = dict.fromkeys(topo, 0)  # inputs of each node (before any has run)
-        for n in topo:
-            for s in succs[n]:
-                self.waiting[s] += 1
+            own = need[n]
+            if got <= own:
+                finishing.add(n)
+                reach[n] = own
+            else:
+                reach[n] = got if own <= got else got | own
+        self.finishing = finishing
         self.left: dict[frozenset[str], dict[int, int]] = {}  # per set of models: activation -> nodes with it
         for n in topo:
             c = self.left.setdefault(need[n], {})

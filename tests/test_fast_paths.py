@@ -12,7 +12,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 import pytest
@@ -411,10 +413,15 @@ def test_a_remembered_eviction_is_weighed_again_where_the_next_uses_rank_the_oth
 
     got = unloads()
     assert ("k1", "Q") in got and ("k2", "P") in got  # the later used goes, at each
+    assert _weighing_every_node(unloads) == got
+
+
+def _weighing_every_node(call: Callable[[], Any]) -> Any:
+    """call() with every node weighed and every pass run (planner._SHORTCUTS off)."""
     shortcuts = planner._SHORTCUTS
     try:
         planner._SHORTCUTS = False
-        assert unloads() == got
+        return call()
     finally:
         planner._SHORTCUTS = shortcuts
 
@@ -440,18 +447,12 @@ def test_a_steady_choice_is_taken_again_only_where_the_look_ahead_answers_alike(
     costs = {n: planner.NodeCost(n, "Node", (v,)) for n, v in uses.items()}
     budget = planner.Budget(4000 * MB, 64 * 2**30)
 
-    def steps() -> list:
-        return _steps(planner.plan(dag, costs, models, budget, repeat=False))
+    def planned() -> planner.Plan:
+        return planner.plan(dag, costs, models, budget, repeat=False)
 
-    got = steps()
-    assert [s.note.split()[-2] for s in planner.plan(dag, costs, models, budget, repeat=False).steps
-            if s.step.kind == "unload" and s.step.model == "vae"] == ["s2"]
-    shortcuts = planner._SHORTCUTS
-    try:
-        planner._SHORTCUTS = False
-        assert steps() == got
-    finally:
-        planner._SHORTCUTS = shortcuts
+    p = planned()
+    assert [s.note.split()[-2] for s in p.steps if s.step.kind == "unload" and s.step.model == "vae"] == ["s2"]
+    assert _steps(_weighing_every_node(planned)) == _steps(p)
 
 
 def test_kinds_by_the_same_objects_are_kinds_by_equal_fields() -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..nodes.files import MODEL_EXTENSIONS, safe_name
+from ..nodes.types import is_mapping
 
 OURS = "FLUX.2 [klein] 4B/9B"
 FLUX3_KLEIN = "FLUX.3 klein"
@@ -206,18 +207,13 @@ def _match(table: tuple[tuple[str, Any], ...], text: str) -> tuple[bool, Any]:
     return False, None
 
 
-def _mapping(x: Any) -> bool:
-    """isinstance(x, Mapping), a dict's or None's answered at once (an ABC's isinstance costs ten times a dict's)."""
-    return x is not None and (isinstance(x, dict) or isinstance(x, Mapping))
-
-
 def _strings(node: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(input name or "widget", value) of every literal string of a node, its raw widget values included."""
-    inputs = node.get("inputs") if _mapping(node.get("inputs")) else {}
+    inputs = node.get("inputs") if is_mapping(node.get("inputs")) else {}
     out = [(str(k), v) for k, v in inputs.items() if isinstance(v, str)]
-    meta = node.get("_meta") if _mapping(node.get("_meta")) else {}
+    meta = node.get("_meta") if is_mapping(node.get("_meta")) else {}
     raw = meta.get("widgets_values")
-    values = raw.values() if _mapping(raw) else raw if isinstance(raw, list) else ()
+    values = raw.values() if is_mapping(raw) else raw if isinstance(raw, list) else ()
     return out + [("widget", v) for v in values if isinstance(v, str)]
 
 
@@ -270,7 +266,7 @@ def _by_type(items: list[tuple[str, Mapping]], table: tuple[tuple[str, str], ...
 
 def unsupported_model(prompt: Mapping[str, Any], nodes: Mapping[str, type], folders: Any = None) -> Finding | None:
     """The evidence that `prompt` is for a model vramgraph does not run (strongest first), or None."""
-    items = [(str(i), n) for i, n in prompt.items() if _mapping(n) and isinstance(n.get("class_type"), str)]
+    items = [(str(i), n) for i, n in prompt.items() if is_mapping(n) and isinstance(n.get("class_type"), str)]
     rank = {c: i for i, c in enumerate(LOADER_ORDER)}
     order = sorted(items, key=lambda x: (rank.get(x[1]["class_type"], len(rank)), x[0]))
     by_name: list[Finding] = []

@@ -10,8 +10,6 @@ and the same files read, by each file-reading node's `IS_CHANGED`) and ask the p
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +19,10 @@ import networkx as nx
 from ..nodes import ENGINE_NODES
 from ..nodes.catalog import ModelCatalog
 from ..nodes.files import MODEL_EXTENSIONS, Folders
-from ..nodes.types import is_link
+from ..nodes.types import is_link, is_mapping
 from . import estimate, planner
 from .errors import ValidationFailed
+from .queue import digest
 from .validate import Defaults, inputs_with_defaults, validate
 
 
@@ -41,9 +40,6 @@ class Prepared:
     hidden: Mapping[str, tuple[dict, dict | None]] = field(default_factory=dict)  # queued: node -> own prompt, pnginfo
 
 
-_KEY_TEXT = json.JSONEncoder(sort_keys=True, default=str)  # json.dumps(key, sort_keys=True, default=str), made once
-
-
 def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph, changed: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Per node a hash of its class, its inputs (linked inputs by their source's signature, so a change anywhere
     reaches every node after it) and its `changed` value: what `IS_CHANGED` said of the files it reads (ComfyUI's
@@ -54,8 +50,7 @@ def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph, changed: Mapping[str
         spec = prompt[node]
         inputs = {k: ["link", sig.get(v[0], v[0]), v[1]] if is_link(v) else v for k, v in spec["inputs"].items()}
         key = [spec["class_type"], inputs] + ([changed[node]] if node in changed else [])
-        text = _KEY_TEXT.encode(key)
-        sig[node] = hashlib.sha256(text.encode()).hexdigest()[:24]
+        sig[node] = digest(key)[:24]
     return sig
 
 
@@ -86,11 +81,8 @@ class _AssumedFiles(Folders):
 
 def _model_names(prompt: Any) -> frozenset[str]:
     """Every literal input of `prompt` that looks like a model file name."""
-    def mapping(x: Any) -> bool:  # isinstance(x, Mapping), a dict's answered at once (an ABC's costs ten times more)
-        return isinstance(x, dict) or isinstance(x, Mapping)
-
-    nodes = prompt.values() if mapping(prompt) else ()
-    return frozenset(v for n in nodes if mapping(n) and mapping(n.get("inputs"))
+    nodes = prompt.values() if is_mapping(prompt) else ()
+    return frozenset(v for n in nodes if is_mapping(n) and is_mapping(n.get("inputs"))
                      for v in n["inputs"].values() if isinstance(v, str) and v.lower().endswith(MODEL_EXTENSIONS))
 
 

@@ -31,6 +31,12 @@ _PLAIN = (str, int, float, bool, type(None))
 _KEY_TEXT = json.JSONEncoder(sort_keys=True, default=str)  # json.dumps(key, sort_keys=True, default=str), made once
 
 
+def digest(key: Any) -> str:
+    """The sha256 hex digest of `key` as JSON with sorted keys (other values by their str): what two nodes of a queue
+    are merged by, and what a node's signature is made of (graph/planning.py)."""
+    return hashlib.sha256(_KEY_TEXT.encode(key).encode()).hexdigest()
+
+
 class _NotPlain(Exception):
     pass
 
@@ -105,7 +111,7 @@ def merge(prompts: Sequence[Mapping[str, dict]], output_types: frozenset[str] = 
             spec = _copied(dict(prompt[node]))
             spec["inputs"] = {k: [rename[v[0]], v[1]] if is_link(v) and v[0] in rename else v
                               for k, v in spec.get("inputs", {}).items()}
-            key = hashlib.sha256(_KEY_TEXT.encode([spec["class_type"], spec["inputs"]]).encode()).hexdigest()
+            key = digest([spec["class_type"], spec["inputs"]])
             if spec["class_type"] not in output_types and key in by_signature:
                 rename[node] = by_signature[key]
                 continue

@@ -38,7 +38,7 @@ from typing import Any
 import networkx as nx
 
 from ..nodes.files import IMAGE_EXTENSIONS, MODEL_EXTENSIONS
-from ..nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible, is_link
+from ..nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible, is_link, is_mapping
 from .errors import ValidationFailed
 from .families import unsupported_model
 
@@ -209,11 +209,6 @@ def _link(val: list) -> tuple[str, int] | None:
     return (val[0], val[1]) if is_link(val) else None
 
 
-def _is_mapping(x: Any) -> bool:
-    """isinstance(x, Mapping), a dict's answered at once (an ABC's isinstance costs ten times a dict's)."""
-    return isinstance(x, dict) or isinstance(x, Mapping)
-
-
 # ---------------------------------------------------------------------------------------- top level
 
 
@@ -224,7 +219,7 @@ def _check_top(prompt: Any, nodes: Mapping[str, type]) -> dict | None:
                     f"got {type(prompt).__name__}; send the API format: "
                     '{"<id>": {"class_type": ..., "inputs": {...}}}')
     for x, node in prompt.items():
-        if not _is_mapping(node):
+        if not is_mapping(node):
             return _err("invalid_prompt", "Cannot execute because a node is not an object.",
                         f"Node ID '#{x}': got {type(node).__name__}; a node is "
                         '{"class_type": ..., "inputs": {...}}', node_id=str(x))
@@ -235,7 +230,7 @@ def _check_top(prompt: Any, nodes: Mapping[str, type]) -> dict | None:
         if class_type not in nodes:
             return _err("missing_node_type", f"Node '{class_type}' not found. The custom node may not be installed.",
                         f"Node ID '#{x}'", node_id=str(x), class_type=class_type)
-        if not _is_mapping(node.get("inputs", {})):
+        if not is_mapping(node.get("inputs", {})):
             return _err("invalid_prompt", "Cannot execute because a node's inputs are not an object.",
                         f"Node ID '#{x}': 'inputs' is a {type(node['inputs']).__name__}; give "
                         "an object of input name -> value or [source id, output index]",
@@ -374,7 +369,7 @@ def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type],
             if key in memo.literals:
                 inputs[x] = memo.literals[key]
                 continue
-        elif type(val) is not list and _is_mapping(val) and "__value__" in val:  # a list widget value, wrapped
+        elif type(val) is not list and is_mapping(val) and "__value__" in val:  # a list widget value, wrapped
             val = val["__value__"]
         elif isinstance(val, list):
             error, link = _check_linked(x, val, input_type, info, prompt, nodes, memo)

@@ -9,6 +9,7 @@ for each way it can run (full GPU, tiled, CPU).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +30,12 @@ def is_link(value: Any) -> bool:
     """The one rule for "is this input a link" (ComfyUI's): [source node id (a str), output index (an int)]."""
     return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
             and isinstance(value[1], int) and not isinstance(value[1], bool))
+
+
+def is_mapping(x: Any) -> bool:
+    """isinstance(x, Mapping), a dict's or None's answered at once (an ABC's isinstance costs ten times a dict's):
+    what a prompt's JSON objects are checked with."""
+    return x is not None and (isinstance(x, dict) or isinstance(x, Mapping))
 
 
 def canonical(t: str) -> str:

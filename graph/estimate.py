@@ -7,9 +7,8 @@ turns the costs into the planner's terms. Nothing here imports torch.
 
 from __future__ import annotations
 
-import heapq
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import networkx as nx
@@ -17,6 +16,7 @@ import networkx as nx
 from ..nodes.types import UNKNOWN, Cost, ModelInfo, is_link
 from . import planner
 from .errors import NodeExecutionError, _type_name
+from .order import heap_order
 
 
 def inputs_of(prompt: Mapping[str, dict], node: str, values: Mapping[str, tuple]) -> dict[str, Any]:
@@ -64,32 +64,27 @@ def _part_key(part: str) -> tuple:
     return (0, int(part), "") if part.isdigit() else (1, 0, part)
 
 
-def _topological(dag: nx.DiGraph) -> Iterator[str]:
+def _topological(dag: nx.DiGraph) -> list[str]:
     """`nx.lexicographical_topological_sort(dag, key=...)`'s order, the key a node id's parts' `_part_key`s: a node is
     taken as soon as its producers are, the least key (then the first in `dag`) first. Each node is ranked once, and
-    the heap holds ranks: networkx's heap compares the keys' nested tuples, and its views cost more than the rest."""
+    the heap holds (rank, node): networkx's heap compares the keys' nested tuples, and its views cost more than the
+    rest."""
     parts: dict[str, tuple] = {}  # each part keyed once: a queue's ids repeat theirs ("q12:5", "q12:6", "q13:5")
 
     def key(node: str) -> tuple:
         return tuple([parts[p] if p in parts else parts.setdefault(p, _part_key(p)) for p in node.split(":")])
 
     ranked = sorted(dag, key=key)  # stable: equal keys keep their order in dag, networkx's tie break
-    rank = {n: i for i, n in enumerate(ranked)}
+    rank = {n: (i, n) for i, n in enumerate(ranked)}
     succ = {n: list(after) for n, after in dag.adjacency()}
-    waits = {n: 0 for n in ranked}  # producers not yet taken
+    waits = dict.fromkeys(ranked, 0)  # producers not yet taken
     for after in succ.values():
         for v in after:
             waits[v] += 1
-    ready = [rank[n] for n in ranked if not waits[n]]  # ascending: already a heap
-    while ready:
-        node = ranked[heapq.heappop(ready)]
-        for v in succ[node]:
-            waits[v] -= 1
-            if not waits[v]:
-                heapq.heappush(ready, rank[v])
-        yield node
-    if any(waits.values()):
+    order = heap_order([rank[n] for n in ranked if not waits[n]], waits, succ, rank)  # (ascending: already a heap)
+    if len(order) < len(ranked):
         raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
+    return order
 
 
 def planner_inputs(prompt: Mapping[str, dict], costs: Mapping[str, Cost]

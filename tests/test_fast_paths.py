@@ -578,3 +578,32 @@ def test_grouped_order_is_the_heaps_order(seed: int) -> None:
     shape = Shape(dag, list(dag), set(), costs)
     for order in orders(rng, dag)[:3]:  # (topological ones: pass 1's order is)
         assert grouped_order(order, shape, costs, prov) == plain_grouped(order, dag, stage, prov)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_estimates_topological_order_is_networkx_lexicographical_one(seed: int) -> None:
+    """graph/estimate.py `_topological` is `nx.lexicographical_topological_sort` keyed by the id's parts (numbers by
+    value, before names), ties in the graph's order: on random DAGs with queue-like ids ("q3:12", "7", "q10:2")."""
+    from vramgraph.graph import estimate
+
+    rng = random.Random(seed)
+    ids = [rng.choice([f"q{rng.randrange(12)}:{rng.randrange(30)}", str(rng.randrange(40)), f"n{rng.randrange(9)}"])
+           for _ in range(rng.randrange(2, 40))]
+    ids = list(dict.fromkeys(ids))
+    rng.shuffle(ids)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(ids)
+    for i, u in enumerate(ids):  # edges forward in this shuffled order: a DAG
+        for v in ids[i + 1:]:
+            if rng.random() < 0.15:
+                dag.add_edge(u, v)
+
+    def key(node: str) -> tuple:
+        return tuple(estimate._part_key(p) for p in node.split(":"))
+
+    assert estimate._topological(dag) == list(nx.lexicographical_topological_sort(dag, key=key))
+    if len(ids) > 2:
+        dag.add_edge(ids[-1], ids[0])
+        if not nx.is_directed_acyclic_graph(dag):
+            with pytest.raises(nx.NetworkXUnfeasible):
+                estimate._topological(dag)

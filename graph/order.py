@@ -34,13 +34,15 @@ def cycle_error(dag: nx.DiGraph) -> ValueError | None:
     return ValueError(f"the graph has a cycle through {[u for u, _ in cycle]}; break it to plan")
 
 
+def uses_gpu(v: Variant) -> bool:
+    """Whether a variant uses the GPU: a model resident or streamed, or GPU bytes of its own."""
+    return bool(v.models or v.streams or v.activation or v.blocks is not None)
+
+
 def needs_nothing(nc: NodeCost) -> bool:
     """A node with one variant that uses no model, streams none and needs no GPU bytes, and whose outputs hold no host
     RAM (a loader, a save, ComfyUI's guider and noise nodes): where it runs changes nothing the planner counts."""
-    if nc.host_bytes or len(nc.variants) != 1:
-        return False
-    v = nc.variants[0]
-    return not (v.models or v.streams or v.activation or v.blocks is not None)
+    return not nc.host_bytes and len(nc.variants) == 1 and not uses_gpu(nc.variants[0])
 
 
 class Shape:

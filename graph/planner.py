@@ -53,13 +53,12 @@ Nothing is ever unloaded unless a node forces it out, and nothing is loaded befo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import networkx as nx
 
 from . import assign as pass3
 from .early import FinishEarly
-from .order import Shape, cycle_error, grouped_order, host_peak, needs_nothing, run_order
+from .order import Shape, cycle_error, grouped_order, host_peak, needs_nothing, run_order, uses_gpu
 from .plantypes import (
     DEFAULT_RESERVE,
     Budget,
@@ -77,9 +76,6 @@ from .plantypes import (
     Unload,
 )
 from .sizes import Sizes, all_fit, node_kinds
-
-if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
-    from ..nodes.types import Variant
 
 TIE = pass3.TIE
 _SHORTCUTS = True  # pass 3's remembered choices and the passes plan() leaves out where they would change nothing;
@@ -126,11 +122,6 @@ def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[st
     return nodes, free
 
 
-def _on_gpu(v: Variant) -> bool:
-    """Whether a variant uses the GPU: a model resident or streamed, or GPU bytes of its own."""
-    return bool(v.models or v.streams or v.activation or v.blocks is not None)
-
-
 def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost], budget: Budget,
          cost: CostModel = _H200, start: Residency = _NOTHING, *, repeat: bool = True) -> Plan:
     """Plan one run of `dag`: the order, every node's variant and the Load/Unload steps between runs.
@@ -166,7 +157,7 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
         # pass 3 runs a node that has one variant without models, streams or GPU bytes (an image loaded) where it is,
         # moving nothing, and no such node meets a model in its look ahead: orders that differ only in where those
         # nodes run get the same choices for the others
-        neutral = {n for n in shape.nodes if len(costs[n].variants) == 1 and not _on_gpu(costs[n].variants[0])}
+        neutral = {n for n in shape.nodes if len(costs[n].variants) == 1 and not uses_gpu(costs[n].variants[0])}
 
         def on_gpu(o: list[str]) -> list[str]:
             return [n for n in o if n not in neutral] if neutral and _SHORTCUTS else o

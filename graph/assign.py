@@ -133,6 +133,19 @@ class Memo:
     kinds: dict[str, int]
     known: dict[tuple, tuple] | None = field(default_factory=dict)
     tables: dict[tuple[int, str], tuple[list[str], list[int]]] = field(default_factory=dict)
+    orders: dict[int, tuple[list[str], list[int]]] = field(default_factory=dict)  # id(order) -> (order, the kinds
+    #                                                                                  of its nodes)
+    some: dict[int, str] = field(default_factory=dict)  # a node of each kind
+
+    def along(self, order: list[str]) -> list[int]:
+        """The kinds of `order`'s nodes."""
+        got = self.orders.get(id(order))
+        if got is None or got[0] is not order:
+            kinds = self.kinds
+            got = self.orders[id(order)] = order, [kinds[x] for x in order]
+            if not self.some:
+                self.some = {k: n for n, k in kinds.items()}
+        return got[1]
 
 
 class NextUse:
@@ -163,22 +176,22 @@ class NextUse:
         """Per position, the first at or after it whose provisional variant meets m (meets, spelled out: a kept part
         meets the nodes that stream its model and those that load it whole); len(order) for none."""
         order, n = self.order, len(self.order)
-        ahead = [n] * (n + 1)
-        prov, alone, room, nxt = self.prov, self.sizes.alone, self.gpu - self.sizes.w(m), n
+        seq = self.memo.along(order)
+        prov, alone, room = self.prov, self.sizes.alone, self.gpu - self.sizes.w(m)
         base = self.sizes.base(m)
-        hit: dict[int, bool] = {}  # by kind: the nodes of a kind share their provisional variant
-        kinds = self.memo.kinds
-        for j in range(n - 1, -1, -1):
-            node = order[j]
-            h = hit.get(kinds[node])
-            if h is None:
-                v = prov[node]
-                if base is None:
-                    h = m in v.models or alone(v) > room
-                else:
-                    h = base in v.models or (v.blocks is not None and v.blocks.model == base) or alone(v) > room
-                hit[kinds[node]] = h
+        hits = set()  # the kinds that meet m (a kind's nodes share their provisional variant)
+        for k, node in self.memo.some.items():
+            v = prov[node]
+            if base is None:
+                h = m in v.models or alone(v) > room
+            else:
+                h = base in v.models or (v.blocks is not None and v.blocks.model == base) or alone(v) > room
             if h:
+                hits.add(k)
+        ahead = [n] * (n + 1)
+        nxt = n
+        for j in range(n - 1, -1, -1):
+            if seq[j] in hits:
                 nxt = j
             ahead[j] = nxt
         return ahead

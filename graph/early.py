@@ -41,12 +41,17 @@ class FinishEarly:
         sets: dict[tuple[str, ...], tuple[frozenset[str], tuple[str, ...]]] = {}  # one set per models tuple
         need: dict[str, frozenset[str]] = {}
         uses: dict[str, tuple[str, ...]] = {}  # each node's models without repeats, in their order
+        self.left: dict[frozenset[str], dict[int, int]] = {}  # per set of models: activation -> nodes with it
         for n in topo:
-            models = prov[n].models
-            got = sets.get(models)
+            v = prov[n]
+            got = sets.get(v.models)
             if got is None:
-                got = sets[models] = (frozenset(models), tuple(dict.fromkeys(models)))
+                got = sets[v.models] = (frozenset(v.models), tuple(dict.fromkeys(v.models)))
             need[n], uses[n] = got
+            c = self.left.get(got[0])
+            if c is None:
+                c = self.left[got[0]] = {}
+            c[v.activation] = c.get(v.activation, 0) + 1
         self.need, self.uses = need, uses
         reach: dict[str, frozenset[str]] = {}  # the models each node and its descendants need
         finishing = set()
@@ -65,10 +70,6 @@ class FinishEarly:
             else:
                 reach[n] = got if own <= got else got | own
         self.finishing = finishing
-        self.left: dict[frozenset[str], dict[int, int]] = {}  # per set of models: activation -> nodes with it
-        for n in topo:
-            c = self.left.setdefault(need[n], {})
-            c[prov[n].activation] = c.get(prov[n].activation, 0) + 1
 
     def __call__(self, order: Sequence[str]) -> list[str]:
         """`order` (the same nodes) with each finishing node moved up to the first point where it is ready and free
@@ -88,8 +89,8 @@ class FinishEarly:
         top = {k: max(c) for k, c in left.items()}  # the largest activation left per set (absent: none left)
         ready: dict[frozenset[str], list[int]] = {need[n]: [] for n in finishing}  # per set: positions of ready
         #                                                                          finishing nodes
-        for n in order:
-            if n in finishing and not waiting[n]:
+        for n in finishing:
+            if not waiting[n]:
                 heapq.heappush(ready[need[n]], pos[n])
         res: list[str] = list(self.resident)  # least recently used first
         held = sum(weights[m] for m in res)

@@ -60,10 +60,7 @@ class Shape:
     def __init__(self, dag: nx.DiGraph, nodes: list[str], free: set[str], costs: Mapping[str, NodeCost]) -> None:
         """`nodes`: the DAG's nodes in its order; `free`: those that need nothing."""
         succs = {n: list(after) for n, after in dag.adjacency()}  # (networkx's per-node views cost more than a pass)
-        preds: dict[str, list[str]] = {n: [] for n in nodes}
-        for u, after in succs.items():
-            for v in after:
-                preds[v].append(u)
+        preds = {n: list(before) for n, before in nx.reverse_view(dag).adjacency()}
         self.pos = {n: i for i, n in enumerate(nodes)}
         self.nodes = [n for n in nodes if n not in free] if free else nodes
         frees = [n for n in nodes if n in free] if free else []  # (in the graph's order: the same plan every time)
@@ -78,15 +75,18 @@ class Shape:
 
         gating = {f for f in frees if gate[f]}  # (the others, a loader say, wait for no node)
 
-        def through(xs: list[str]) -> list[str]:
-            """`xs` with each node that needs nothing replaced by the nodes it waits for, without repeats."""
-            if free.isdisjoint(xs):
-                return xs
-            if gating.isdisjoint(xs):
-                return [x for x in xs if x not in free]
-            return list(dict.fromkeys([y for x in xs for y in (gate[x] if x in free else (x,))]))
-
-        self.preds = {n: through(preds[n]) for n in self.nodes} if free else preds
+        if free:  # each node's inputs, those that need nothing replaced by the nodes they wait for, without repeats
+            self.preds = {}
+            for n in self.nodes:
+                xs = preds[n]
+                if not free.isdisjoint(xs):
+                    if gating.isdisjoint(xs):
+                        xs = [x for x in xs if x not in free]
+                    else:
+                        xs = list(dict.fromkeys([y for x in xs for y in (gate[x] if x in free else (x,))]))
+                self.preds[n] = xs
+        else:
+            self.preds = preds
         self.succs: dict[str, list[str]] = {n: [] for n in self.nodes} if free else succs
         if free:
             for n in self.nodes:

@@ -97,7 +97,7 @@ def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[st
 
     nodes = list(dag.nodes)
     free: set[str] = set()
-    seen: set[int] = set()  # variants checked (a queue's nodes share theirs)
+    seen: set[int] = set()  # variants and tuples of them checked (a queue's nodes share theirs)
     for n in nodes:
         nc = costs.get(n)
         if nc is None:
@@ -107,6 +107,9 @@ def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[st
             raise fault(f"node {n!r} ({nc.class_type}) has no variants: give it at least one")
         if len(vs) == 1 and needs_nothing(nc) and gpu >= 0:  # (with no room at all, every node fails as itself)
             free.add(n)
+        if id(vs) in seen:
+            continue
+        seen.add(id(vs))
         for v in vs:
             if id(v) in seen:
                 continue

@@ -32,44 +32,62 @@ _NONE: frozenset[str] = frozenset()
 class FinishEarly:
     """The pass for one graph, its nodes' variants and one budget; what does not depend on the order (which nodes
     finish, how many inputs each waits for, the activations left per set of models) is found once, since the planner
-    runs the pass on more than one order of the same nodes."""
+    runs the pass on more than one order of the same nodes. Nodes are numbered in `topo` and sets of models by first
+    appearance: the pass walks lists by those numbers, where dicts by name would cost it a hash lookup each."""
 
     def __init__(self, topo: Sequence[str], succs: Mapping[str, Sequence[str]], prov: Mapping[str, Variant],
                  weights: Mapping[str, int], gpu: int, resident: Sequence[str] = ()) -> None:
         """`topo`: the graph's nodes in a topological order; `succs`: the consumers of each node."""
-        self.succs, self.prov, self.weights, self.gpu, self.resident = succs, prov, weights, gpu, list(resident)
-        sets: dict[tuple[str, ...], tuple[frozenset[str], tuple[str, ...]]] = {}  # one set per models tuple
-        need: dict[str, frozenset[str]] = {}
-        uses: dict[str, tuple[str, ...]] = {}  # each node's models without repeats, in their order
-        self.left: dict[frozenset[str], dict[int, int]] = {}  # per set of models: activation -> nodes with it
+        self.prov, self.weights, self.gpu, self.resident = prov, weights, gpu, list(resident)
+        self.index = index = {n: i for i, n in enumerate(topo)}
+        self.nodes = list(topo)
+        number_of = index.__getitem__
+        self.succs = [list(map(number_of, succs[n])) for n in topo]
+        number: dict[tuple[str, ...], tuple[int, tuple[str, ...]]] = {}  # a models tuple -> (its set's number, its
+        #                                                                   models without repeats, in their order)
+        self.sets: list[frozenset[str]] = []  # per set number: the models
+        self.acts: list[int] = []  # per node: its activation
+        self.models: list[tuple[str, ...]] = []  # per node: its models
+        need: list[int] = []  # per node: the number of its set of models
+        uses: list[tuple[str, ...]] = []  # per node: its models without repeats
+        self.left: list[dict[int, int]] = []  # per set: activation -> nodes with it
         for n in topo:
             v = prov[n]
-            got = sets.get(v.models)
+            models, a = v.models, v.activation
+            got = number.get(models)
             if got is None:
-                got = sets[v.models] = (frozenset(v.models), tuple(dict.fromkeys(v.models)))
-            need[n], uses[n] = got
-            c = self.left.get(got[0])
-            if c is None:
-                c = self.left[got[0]] = {}
-            c[v.activation] = c.get(v.activation, 0) + 1
+                key = frozenset(models)
+                k = next((j for j, x in enumerate(self.sets) if x == key), None)
+                if k is None:
+                    k = len(self.sets)
+                    self.sets.append(key)
+                    self.left.append({})
+                got = number[models] = k, tuple(dict.fromkeys(models))
+            need.append(got[0])
+            uses.append(got[1])
+            self.acts.append(a)
+            self.models.append(models)
+            c = self.left[got[0]]
+            c[a] = c.get(a, 0) + 1
         self.need, self.uses = need, uses
-        reach: dict[str, frozenset[str]] = {}  # the models each node and its descendants need
-        finishing = set()
-        waiting = self.waiting = dict.fromkeys(topo, 0)  # inputs of each node (before any has run)
-        for n in reversed(topo):
+        reach: list[frozenset[str]] = [_NONE] * len(topo)  # the models each node and its descendants need
+        finishing = [False] * len(topo)
+        waiting = self.waiting = [0] * len(topo)  # inputs of each node (before any has run)
+        for i in range(len(topo) - 1, -1, -1):
             got = _NONE  # the models its descendants need
-            for s in succs[n]:
+            for s in self.succs[i]:
                 waiting[s] += 1
                 r = reach[s]
                 if not r <= got:
                     got = r if not got else got | r
-            own = need[n]
+            own = self.sets[need[i]]
             if got <= own:
-                finishing.add(n)
-                reach[n] = own
+                finishing[i] = True
+                reach[i] = own
             else:
-                reach[n] = got if own <= got else got | own
+                reach[i] = got if own <= got else got | own
         self.finishing = finishing
+        self.ends = [i for i, f in enumerate(finishing) if f]
 
     def __call__(self, order: Sequence[str]) -> list[str]:
         """`order` (the same nodes) with each finishing node moved up to the first point where it is ready and free
@@ -79,49 +97,53 @@ class FinishEarly:
         Whether a node is free depends only on its set of models, so nodes are kept by that set: for each set, the
         ready finishing nodes (earliest first) and the activations of the nodes left, whose largest is what has to
         fit."""
-        finishing, need, uses, succs, prov, weights, gpu = (self.finishing, self.need, self.uses, self.succs, self.prov,
-                                                            self.weights, self.gpu)
-        if not finishing:
+        ends = self.ends
+        if not ends:
             return list(order)
-        pos = {n: i for i, n in enumerate(order)}
-        waiting = dict(self.waiting)  # inputs not yet run
-        left = {k: dict(c) for k, c in self.left.items()}  # per set of models: activation -> nodes left with it
-        top = {k: max(c) for k, c in left.items()}  # the largest activation left per set (absent: none left)
-        ready: dict[frozenset[str], list[int]] = {need[n]: [] for n in finishing}  # per set: positions of ready
-        #                                                                          finishing nodes
-        for n in finishing:
-            if not waiting[n]:
-                heapq.heappush(ready[need[n]], pos[n])
+        finishing, need, uses, succs, weights, gpu = (self.finishing, self.need, self.uses, self.succs, self.weights,
+                                                      self.gpu)
+        sets, acts, models = self.sets, self.acts, self.models
+        at = list(map(self.index.__getitem__, order))  # node numbers along the order
+        pos = [0] * len(at)  # per node: its position in the order
+        for p, i in enumerate(at):
+            pos[i] = p
+        waiting = self.waiting[:]  # inputs not yet run
+        left = [dict(c) for c in self.left]  # per set of models: activation -> nodes left with it
+        top = {k: max(c) for k, c in enumerate(left) if c}  # the largest activation left per set (absent: none left)
+        ready: dict[int, list[int]] = {need[i]: [] for i in ends}  # per set: positions of ready finishing nodes
+        for i in ends:
+            if not waiting[i]:
+                heapq.heappush(ready[need[i]], pos[i])
         res: list[str] = list(self.resident)  # least recently used first
         held = sum(weights[m] for m in res)
-        done: set[str] = set()
-        out: list[str] = []
+        done = [False] * len(at)  # per position: run
+        out: list[int] = []
         first = 0  # position of the first node left
-        known: dict[frozenset[str], bool] = {}  # free(set), while `res` and `top` stay as they are
+        known: dict[int, bool] = {}  # free(set), while `res` and `top` stay as they are
 
-        def free(key: frozenset[str]) -> bool:
+        def free(key: int) -> bool:
             got = known.get(key)
             if got is None:
-                joined = key.union(res)
+                joined = sets[key].union(res)
                 held = sum(weights[m] for m in joined)
-                got = known[key] = all(held + a <= gpu for k, a in top.items() if k <= joined)
+                got = known[key] = all(held + a <= gpu for k, a in top.items() if sets[k] <= joined)
             return got
 
-        while len(out) < len(order):
-            pick = None
+        for _ in range(len(at)):
+            p = -1  # the position picked
             for key, heap in ready.items():
-                while heap and order[heap[0]] in done:
+                while heap and done[heap[0]]:
                     heapq.heappop(heap)
-                if heap and (pick is None or heap[0] < pos[pick]) and free(key):
-                    pick = order[heap[0]]
-            if pick is None:
-                while order[first] in done:
+                if heap and (p < 0 or heap[0] < p) and free(key):
+                    p = heap[0]
+            if p < 0:
+                while done[first]:
                     first += 1
-                pick = order[first]
-            done.add(pick)
+                p = first
+            done[p] = True
+            pick = at[p]
             out.append(pick)
-            v = prov[pick]
-            key, a = need[pick], v.activation
+            key, a = need[pick], acts[pick]
             c = left[key]
             c[a] -= 1
             if not c[a]:
@@ -134,7 +156,7 @@ class FinishEarly:
                     known.clear()
             for s in succs[pick]:
                 waiting[s] -= 1
-                if not waiting[s] and s in finishing and s not in done:
+                if not waiting[s] and finishing[s] and not done[pos[s]]:
                     heapq.heappush(ready[need[s]], pos[s])
             changed = False
             for m in uses[pick]:
@@ -144,12 +166,12 @@ class FinishEarly:
                     held += weights[m]
                     changed = True
                 res.append(m)
-            if held + v.activation > gpu:
-                held, dropped = evict_lru(res, v.models, held, v.activation, gpu, weights.__getitem__)
+            if held + a > gpu:
+                held, dropped = evict_lru(res, models[pick], held, a, gpu, weights.__getitem__)
                 changed = changed or bool(dropped)
             if changed:
                 known.clear()
-        return out
+        return list(map(self.nodes.__getitem__, out))
 
 
 def evict_lru(resident: list[str], keep: Collection[str], held: int, need: int, budget: int,

@@ -59,8 +59,8 @@ class Shape:
 
     def __init__(self, dag: nx.DiGraph, nodes: list[str], free: set[str], costs: Mapping[str, NodeCost]) -> None:
         """`nodes`: the DAG's nodes in its order; `free`: those that need nothing."""
-        succs = {n: list(after) for n, after in dag.adjacency()}  # (networkx's per-node views cost more than a pass)
-        preds = {n: list(before) for n, before in nx.reverse_view(dag).adjacency()}
+        preds = {n: list(before) for n, before in nx.reverse_view(dag).adjacency()}  # (networkx's per-node views
+        #                                                                              cost more than a pass)
         self.pos = {n: i for i, n in enumerate(nodes)}
         self.nodes = [n for n in nodes if n not in free] if free else nodes
         frees = [n for n in nodes if n in free] if free else []  # (in the graph's order: the same plan every time)
@@ -87,7 +87,8 @@ class Shape:
                 self.preds[n] = xs
         else:
             self.preds = preds
-        self.succs: dict[str, list[str]] = {n: [] for n in self.nodes} if free else succs
+        self.succs: dict[str, list[str]] = {n: [] for n in self.nodes} if free else \
+            {n: list(after) for n, after in dag.adjacency()}
         if free:
             for n in self.nodes:
                 for p in self.preds[n]:
@@ -164,7 +165,9 @@ class Shape:
                 waiting[f] -= 1
                 if not waiting[f]:
                     heapq.heappush(ready, key[f])
-            if ready:
+            if len(ready) == 1 and not free_succs[ready[0][-1]]:  # (most: a save after its decode)
+                after[n] = [ready.pop()[-1]]
+            elif ready:
                 after[n] = heap_order(ready, waiting, free_succs, key)
         return first, after
 

@@ -168,7 +168,7 @@ def node_kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost],
             k = len(fit)  # (one without weights: pass 3 runs it as it is unless it does not fit beside the resident
             #               models, which is rare enough to weigh it every time)
         else:
-            ids = tuple(map(id, vs))
+            ids = (id(vs[0]),) if len(vs) == 1 else tuple(map(id, vs))
             k = by_ids.get(ids) if shortcuts else None
             if k is None:
                 if len(set(ids)) < len(ids):
@@ -180,7 +180,7 @@ def node_kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost],
                         of_blocks = sizes.of_blocks
                     key = tuple([(of_variant(u), u.blocks and of_blocks(u.blocks)) for u in vs])
                     k = by_ids[ids] = by_key.setdefault(key, len(fit))
-            if shortcuts and len(set(ids)) == len(ids):
+            if shortcuts and (len(ids) == 1 or len(set(ids)) == len(ids)):
                 by_list[id(vs)] = k
         if k == len(fit):
             j = next((j for j, u in enumerate(vs) if sizes.alone(u) <= gpu), None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 
 import plan_cells
@@ -50,7 +51,9 @@ def main() -> None:
     ap.add_argument("--hosts", default="64GiB,19GB,6GB")
     ap.add_argument("--profiles", default="h200,rtx3060")
     ap.add_argument("--workflows", default="all")
+    ap.add_argument("--random", type=int, default=0, help="also this many random DAGs of the workflows' nodes")
     a = ap.parse_args()
+    logging.disable(logging.WARNING)  # (pass 1's host RAM warnings, the same from both)
     plan_cells._import()
     from vramgraph.graph import estimate, planner, queue
 
@@ -85,11 +88,58 @@ def main() -> None:
                                             _convert(planning.cost, other))
                             if mine != theirs:
                                 differ += 1
-                                ways = [w for w, x, y in zip(("cold", "warm", "no repeat"), mine, theirs) if x != y]
+                                ways = [w for w, x, y in zip(("cold", "warm", "no repeat"), mine, theirs, strict=False)
+                                        if x != y]
                                 print(f"DIFFERS: {wf} {card} GiB {side}² x{n} host {host} {profile}: "
                                       f"{', '.join(ways) or 'raised'}", flush=True)
     print(f"{cells} cells, {rejected} rejected by the estimates, {differ} with different plans")
+    if a.random:
+        bad = _random_graphs(a.random, planner, other, estimate, queue, workflows, prompts)
+        print(f"{a.random} random graphs, {bad} with different plans")
+        differ += bad
     sys.exit(1 if differ else 0)
+
+
+def _random_graphs(count: int, planner, other, estimate, queue, workflows, prompts) -> int:
+    """Random DAGs whose nodes take the estimates of the shipped workflows' nodes (streamed, tiled and CPU variants,
+    loaders, saves, host RAM held), with pass-through nodes that need nothing and random host RAM, planned by both
+    planners at random cards, host RAM and profiles."""
+    import random
+
+    import networkx as nx
+
+    pool, models = [], {}
+    for wf in workflows:
+        planning = plan_cells.planning_for(80, None)
+        prep = planning.prepare(prompts.get((wf, 1024, 1)) or plan_cells.prompts_for(wf, 1024, 1)[0])
+        node_costs, ms = estimate.planner_inputs(prep.prompt, prep.costs)
+        pool += node_costs.values()
+        models.update(ms)
+    free = [nc for nc in pool if not nc.host_bytes and len(nc.variants) == 1 and not nc.variants[0].models]
+    bad = raised = 0
+    for seed in range(count):
+        rng = random.Random(seed)
+        n = rng.randint(2, 120)
+        names = [f"q{rng.randrange(9)}:{k}" for k in range(n)]
+        dag = nx.DiGraph()
+        dag.add_nodes_from(names)
+        costs = {}
+        for k, name in enumerate(names):
+            nc = rng.choice(free if rng.random() < 0.3 else pool)
+            hb = rng.choice((0, 0, nc.host_bytes, 2**20 * rng.randint(1, 4096)))
+            costs[name] = planner.NodeCost(name, nc.class_type, nc.variants, hb)
+            for j in rng.sample(range(k), min(k, rng.choice((0, 1, 1, 2, 3)))):
+                dag.add_edge(names[j], name)
+        card = rng.choice((6, 8, 10, 12, 16, 24))
+        planning = plan_cells.planning_for(card, rng.choice((None, "rtx3060")), rng.choice(("64GiB", "19GB", "6GB")))
+        mine = _plans(planner, dag, costs, models, planning.budget, planning.cost)
+        theirs = _plans(other, dag, costs, models, _convert(planning.budget, other), _convert(planning.cost, other))
+        raised += len(mine) == 1
+        if mine != theirs:
+            bad += 1
+            print(f"DIFFERS: random graph {seed} ({n} nodes, {card} GiB)", flush=True)
+    print(f"(of the random graphs, {raised} were rejected by both planners alike)")
+    return bad
 
 
 def _plans(planner, dag, costs, models, budget, cost) -> list:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,32 +38,33 @@ assert _FIELDS[Run] == ("node", "variant") and tuple(f.name for f in dataclasses
 class Assigned:
     rows: list[tuple]  # each step as (Run/Load/Unload, its fields, then PlannedStep's other fields, the note perhaps
     #                    as _run_note's arguments): plan() makes steps only of the pass it returns
-    chosen: dict[str, Variant]
+    order: list[int]  # the nodes (graph/order.py `Shape` numbers) in their order
+    chosen: list[Variant]  # per node: its variant
     end: Residency
     loads: Counter[str]
     unloaded: set[str]  # models an Unload step frees
     moved: int  # bytes copied host->GPU, as Plan.bytes_moved + Plan.streamed_bytes count them
     weighed: set[str]  # models whose eviction was priced (evict_cost asked)
-    held_after: dict[str, int]  # per node: the bytes of the weights resident after it ("": at the start)
+    held_after: list[int]  # per node: the bytes of the weights resident after it
+    held_start: int  # ... and at the start
 
-    def steps(self, shape: Shape, costs: Mapping[str, NodeCost], cm: CostModel, start: tuple[str, ...]
-              ) -> tuple[PlannedStep, ...]:
+    def steps(self, shape: Shape, cm: CostModel, start: tuple[str, ...]) -> tuple[PlannedStep, ...]:
         """The plan's steps, with the nodes that need nothing (graph/order.py `Shape`) where they run: before the first
         node (on the GPU as it is at the start, `start`) or right after the node they waited for."""
         notes: dict[int, str] = {}  # _run_note of each arguments tuple (the nodes of a remembered choice share one)
-        first, followers = shape.expand([r[1][0] for r in self.rows if r[0] is Run])
-        held_after = self.held_after
+        first, followers = shape.expand(self.order)
+        held_after, order, free_names, free_costs = self.held_after, self.order, shape.free_names, shape.free_costs
         out: list[PlannedStep] = []
         new = object.__new__  # (steps are frozen dataclasses without __post_init__, made without their __init__, which
         #                        sets each field through object.__setattr__, at a quarter of the time: a queue of 64
         #                        prompts makes a thousand)
 
-        def run_free(nodes: list[str], held: int, res: tuple[str, ...]) -> None:
+        def run_free(nodes: list[int], held: int, res: tuple[str, ...]) -> None:
             for f in nodes:
-                v = costs[f].variants[0]
+                v = free_costs[f].variants[0]
                 s = new(Run)
                 d = s.__dict__
-                d["node"], d["variant"] = f, v.name
+                d["node"], d["variant"] = free_names[f], v.name
                 p = new(PlannedStep)
                 d = p.__dict__
                 d["step"], d["gpu_bytes"], d["resident"], d["seconds"] = s, held, res, cm.run_seconds(v)
@@ -72,7 +72,8 @@ class Assigned:
                 out.append(p)
 
         if first:
-            run_free(first, held_after[""], start)
+            run_free(first, self.held_start, start)
+        r = 0  # Runs so far
         for kind, args, gpu, res, secs, note, streams, bp in self.rows:
             if note.__class__ is not str:
                 got = notes.get(id(note))
@@ -90,8 +91,11 @@ class Assigned:
             d["step"], d["gpu_bytes"], d["resident"], d["seconds"] = s, gpu, res, secs
             d["note"], d["streams"], d["blocks"] = note, streams, bp
             out.append(p)
-            if kind is Run and args[0] in followers:
-                run_free(followers[args[0]], held_after[args[0]], res)
+            if kind is Run:
+                n = order[r]
+                r += 1
+                if n in followers:
+                    run_free(followers[n], held_after[n], res)
         return tuple(out)
 
     def repinned(self, pins: frozenset[str]) -> Assigned:
@@ -105,7 +109,8 @@ class Assigned:
         rows = [(Load, (r[1][0], "file", False), r[2], r[3], r[4], r[5].removesuffix(_PINNING), r[6], r[7])
                 if r[0] is Load and r[1][2] and r[1][0] not in pins else r for r in self.rows]
         end = Residency(self.end.gpu, self.end.pinned & pins, self.end.kept)
-        return Assigned(rows, self.chosen, end, self.loads, self.unloaded, self.moved, self.weighed, self.held_after)
+        return Assigned(rows, self.order, self.chosen, end, self.loads, self.unloaded, self.moved, self.weighed,
+                        self.held_after, self.held_start)
 
 
 def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
@@ -130,21 +135,21 @@ class Memo:
     """What the passes 3 of one plan share: each node's kind (`node_kinds`), the choices remembered by kind and state
     (`known`; None: weigh every node) and the look ahead's tables ((id(order), model) -> (order, table))."""
 
-    kinds: dict[str, int]
+    kinds: list[int]  # per node (a number)
     known: dict[tuple, tuple] | None = field(default_factory=dict)
-    tables: dict[tuple[int, str], tuple[list[str], list[int]]] = field(default_factory=dict)
-    orders: dict[int, tuple[list[str], list[int]]] = field(default_factory=dict)  # id(order) -> (order, the kinds
+    tables: dict[tuple[int, str], tuple[list[int], list[int]]] = field(default_factory=dict)
+    orders: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # id(order) -> (order, the kinds
     #                                                                                  of its nodes)
-    some: dict[int, str] = field(default_factory=dict)  # a node of each kind
+    some: dict[int, int] = field(default_factory=dict)  # a node of each kind
 
-    def along(self, order: list[str]) -> list[int]:
+    def along(self, order: list[int]) -> list[int]:
         """The kinds of `order`'s nodes."""
         got = self.orders.get(id(order))
         if got is None or got[0] is not order:
             kinds = self.kinds
             got = self.orders[id(order)] = order, [kinds[x] for x in order]
             if not self.some:
-                self.some = {k: n for n, k in kinds.items()}
+                self.some = {k: n for n, k in enumerate(kinds)}
         return got[1]
 
 
@@ -155,7 +160,7 @@ class NextUse:
     table per model answers the first part and a mark per model the second, where a walk along the order would do it
     for every eviction. Ask with positions that never go down, as pass 3 does."""
 
-    def __init__(self, order: list[str], prov: Mapping[str, Variant], sizes: Sizes, gpu: int, repeat: bool,
+    def __init__(self, order: list[int], prov: list[Variant], sizes: Sizes, gpu: int, repeat: bool,
                  memo: Memo) -> None:
         self.order, self.prov, self.sizes, self.gpu, self.repeat, self.memo = order, prov, sizes, gpu, repeat, memo
         self.ahead: dict[str, list[int]] = {}  # m -> per position, the first at or after it whose provisional variant
@@ -196,7 +201,7 @@ class NextUse:
             ahead[j] = nxt
         return ahead
 
-    def first(self, m: str, i: int, chosen: Mapping[str, Variant], cur: Variant) -> tuple[Variant, int] | None:
+    def first(self, m: str, i: int, chosen: list[Variant], cur: Variant) -> tuple[Variant, int] | None:
         """(variant, distance) of the first node after position i that meets m, `cur` (position i in the next run)
         last; None when none does."""
         order, n = self.order, len(self.order)
@@ -237,8 +242,9 @@ def alike(known: tuple[tuple[str, int, tuple[float, float]], ...],
     return True
 
 
-def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget: Budget, cm: CostModel,
-           start: Residency, prov: Mapping[str, Variant], pins: frozenset[str], repeat: bool, memo: Memo) -> Assigned:
+def assign(order: list[int], shape: Shape, sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
+           prov: list[Variant], pins: frozenset[str], repeat: bool, memo: Memo
+           ) -> Assigned:
     """Pass 3: residency and variants along a fixed order (see the module docstring).
 
     The nodes of a queue repeat, and so do their choices: a choice depends only on the node's variants, the resident
@@ -256,7 +262,8 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
         if sizes.base(m) is not None:
             kept[sizes.base(m)] = m
     pinned: set[str] = set(start.pinned)
-    chosen: dict[str, Variant] = {}
+    names, costs = shape.names, shape.costs
+    chosen: list[Any] = [None] * len(names)
     rows: list[tuple] = []
     loads: Counter[str] = Counter()
     unloaded: set[str] = set()
@@ -455,7 +462,8 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
 
     held = sum(w[m] for m in resident)  # bytes of the resident weights
     now = tuple(resident)
-    held_after: dict[str, int] = {"": held}  # per node: the resident weights' bytes after it ("": at the start)
+    held_start = held
+    held_after = [0] * len(names)  # per node: the resident weights' bytes after it
     copies = frozenset(pinned)  # `known` is by the node's kind, the resident models (in their order) and these
     # A node that left the GPU as it found it (the same resident models in the same order, the same pinned copies: a
     # queue's next encode or sample that takes over the last one's kept part, or a decode beside it) is `steady`: a
@@ -488,7 +496,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
         if len(vs) == 1 and not vs[0].models and not vs[0].streams \
                 and held + vs[0].activation <= gpu:  # a host node, or one without weights: nothing moves
             v = chosen[node] = vs[0]
-            rows.append((Run, (node, v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
+            rows.append((Run, (names[node], v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
             held_after[node] = held
             continue
         kind = kinds[node]
@@ -497,7 +505,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
             v = chosen[node] = got[3]  # its kind's steady choice (see above)
             moved += got[4]
             row = got[5]
-            rows.append((Run, (node, v.name), row[2], now, row[4], row[5], row[6], row[7]))
+            rows.append((Run, (names[node], v.name), row[2], now, row[4], row[5], row[6], row[7]))
             held_after[node] = held
             continue
         before = now, copies
@@ -533,7 +541,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
             if base is not None:
                 del kept[base]
             rows.append((Unload, (m, "pinned" if m in pinned or base is not None else "drop"), held, now, 0.0,
-                         f"makes room for {node} ({nc.class_type})", (), None))
+                         f"makes room for {names[node]} ({nc.class_type})", (), None))
         for m in sizes.unique(v.models):
             if m in resident:
                 continue
@@ -548,7 +556,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
             now = tuple(resident)
             loads[m] += 1
             moved += w[m]
-            why = f"for {node}" + (_PINNING if pin else "")
+            why = f"for {names[node]}" + (_PINNING if pin else "")
             rows.append((Load, (m, src, pin), held, now, cm.load_seconds(w[m], src == "pinned"), why, (), None))
         for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
             if m in pins and m not in pinned:
@@ -570,7 +578,7 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
                 resident.append(part)
                 held += w[part]
             now = tuple(resident)
-        rows.append((Run, (node, v.name), gpu_bytes, now, secs, note, tuple(v.streams), bp))
+        rows.append((Run, (names[node], v.name), gpu_bytes, now, secs, note, tuple(v.streams), bp))
         held_after[node] = held
         if key is not None and copies is before[1] and now == before[0]:
             now = before[0]  # (the same object: the steady choices are by its identity)
@@ -579,10 +587,10 @@ def assign(order: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, budget
                     bp.uploaded if bp is not None else 0, rows[-1]
     kept_parts = tuple(sizes.parts.get(m) or sizes.models[m] for m in kept.values())
     end = Residency(frozenset(resident), frozenset(pinned), kept_parts)
-    return Assigned(rows, chosen, end, loads, unloaded, moved, weighed, held_after)
+    return Assigned(rows, order, chosen, end, loads, unloaded, moved, weighed, held_after, held_start)
 
 
-def choose_pins(first: Assigned, sizes: Sizes, costs: Mapping[str, NodeCost], order: list[str],
+def choose_pins(first: Assigned, sizes: Sizes, costs: list[NodeCost], order: list[int],
                 start: Residency, room: int, evicted: set[str]) -> frozenset[str]:
     """Pass 2: the models that get a pinned copy: start's, then among the candidates (`evicted`: models that get
     unloaded, or all used models when they cannot stay together), while host RAM allows, the most loaded ones,

@@ -32,27 +32,27 @@ _NONE: frozenset[str] = frozenset()
 class FinishEarly:
     """The pass for one graph, its nodes' variants and one budget; what does not depend on the order (which nodes
     finish, how many inputs each waits for, the activations left per set of models) is found once, since the planner
-    runs the pass on more than one order of the same nodes. Nodes are numbered in `topo` and sets of models by first
-    appearance: the pass walks lists by those numbers, where dicts by name would cost it a hash lookup each."""
+    runs the pass on more than one order of the same nodes. Nodes are numbers (graph/order.py `Shape`) and sets of
+    models are numbered by first appearance: the pass walks lists by those numbers."""
 
-    def __init__(self, topo: Sequence[str], succs: Mapping[str, Sequence[str]], prov: Mapping[str, Variant],
+    def __init__(self, succs: Sequence[Sequence[int]], topo: Sequence[int], prov: Sequence[Variant],
                  weights: Mapping[str, int], gpu: int, resident: Sequence[str] = ()) -> None:
-        """`topo`: the graph's nodes in a topological order; `succs`: the consumers of each node."""
-        self.prov, self.weights, self.gpu, self.resident = prov, weights, gpu, list(resident)
-        self.index = index = {n: i for i, n in enumerate(topo)}
-        self.nodes = list(topo)
-        number_of = index.__getitem__
-        self.succs = [list(map(number_of, succs[n])) for n in topo]
+        """`succs`: the consumers of each node (by number); `topo`: the nodes in a topological order; `prov`: each
+        node's variant."""
+        self.weights, self.gpu, self.resident = weights, gpu, list(resident)
+        self.succs = succs
+        n = len(succs)
         number: dict[tuple[str, ...], tuple[int, tuple[str, ...]]] = {}  # a models tuple -> (its set's number, its
         #                                                                   models without repeats, in their order)
         self.sets: list[frozenset[str]] = []  # per set number: the models
-        self.acts: list[int] = []  # per node: its activation
-        self.models: list[tuple[str, ...]] = []  # per node: its models
-        need: list[int] = []  # per node: the number of its set of models
-        uses: list[tuple[str, ...]] = []  # per node: its models without repeats
         self.left: list[dict[int, int]] = []  # per set: activation -> nodes with it
-        for n in topo:
-            v = prov[n]
+        need = self.need = [0] * n  # per node: the number of its set of models
+        uses: list[tuple[str, ...]] = [()] * n  # per node: its models without repeats
+        self.acts = [v.activation for v in prov]  # per node: its activation
+        self.models = [v.models for v in prov]  # per node: its models
+        self.uses = uses
+        for i in topo:
+            v = prov[i]
             models, a = v.models, v.activation
             got = number.get(models)
             if got is None:
@@ -63,24 +63,21 @@ class FinishEarly:
                     self.sets.append(key)
                     self.left.append({})
                 got = number[models] = k, tuple(dict.fromkeys(models))
-            need.append(got[0])
-            uses.append(got[1])
-            self.acts.append(a)
-            self.models.append(models)
+            need[i], uses[i] = got
             c = self.left[got[0]]
             c[a] = c.get(a, 0) + 1
-        self.need, self.uses = need, uses
-        reach: list[frozenset[str]] = [_NONE] * len(topo)  # the models each node and its descendants need
-        finishing = [False] * len(topo)
-        waiting = self.waiting = [0] * len(topo)  # inputs of each node (before any has run)
-        for i in range(len(topo) - 1, -1, -1):
+        reach: list[frozenset[str]] = [_NONE] * n  # the models each node and its descendants need
+        finishing = [False] * n
+        waiting = self.waiting = [0] * n  # inputs of each node (before any has run)
+        sets = self.sets
+        for i in reversed(topo):
             got = _NONE  # the models its descendants need
-            for s in self.succs[i]:
+            for s in succs[i]:
                 waiting[s] += 1
                 r = reach[s]
                 if not r <= got:
                     got = r if not got else got | r
-            own = self.sets[need[i]]
+            own = sets[need[i]]
             if got <= own:
                 finishing[i] = True
                 reach[i] = own
@@ -89,7 +86,7 @@ class FinishEarly:
         self.finishing = finishing
         self.ends = [i for i, f in enumerate(finishing) if f]
 
-    def __call__(self, order: Sequence[str]) -> list[str]:
+    def __call__(self, order: Sequence[int]) -> list[int]:
         """`order` (the same nodes) with each finishing node moved up to the first point where it is ready and free
         (module docstring).
 
@@ -103,7 +100,7 @@ class FinishEarly:
         finishing, need, uses, succs, weights, gpu = (self.finishing, self.need, self.uses, self.succs, self.weights,
                                                       self.gpu)
         sets, acts, models = self.sets, self.acts, self.models
-        at = list(map(self.index.__getitem__, order))  # node numbers along the order
+        at = order
         pos = [0] * len(at)  # per node: its position in the order
         for p, i in enumerate(at):
             pos[i] = p
@@ -171,7 +168,7 @@ class FinishEarly:
                 changed = changed or bool(dropped)
             if changed:
                 known.clear()
-        return list(map(self.nodes.__getitem__, out))
+        return out
 
 
 def evict_lru(resident: list[str], keep: Collection[str], held: int, need: int, budget: int,

@@ -136,73 +136,76 @@ def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, Mo
     if start.kept:
         models = {**models, **{m.key: m for m in start.kept if m.key in start.gpu}}
     nodes, free = _validate(dag, costs, models, start, budget.gpu)
-    shape = Shape(dag, nodes, free, costs)  # the passes order the nodes that need something (graph/order.py)
+    shape = Shape(dag, nodes, free, costs)  # the passes order the nodes that need something, by number
+    #                                         (graph/order.py)
+    ncs = shape.costs
     sizes = Sizes(models)
-    kinds, prov = node_kinds(dag, shape.nodes, costs, sizes, budget.gpu, _SHORTCUTS)
+    kinds, prov = node_kinds(dag, ncs, sizes, budget.gpu, _SHORTCUTS)
     memo = pass3.Memo(kinds, {} if _SHORTCUTS else None)  # what its passes 3 share
     pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
-    order, peak_out = run_order(shape, costs, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
-    if len(order) < len(shape.nodes):  # the nodes of a cycle never get ready
-        raise cycle_error(dag) or RuntimeError(f"pass 1 left out {sorted(set(shape.nodes) - set(order))}")
+    order, peak_out = run_order(shape, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
+    if len(order) < len(ncs):  # the nodes of a cycle never get ready
+        left_out = set(shape.names) - {shape.names[n] for n in order}
+        raise cycle_error(dag) or RuntimeError(f"pass 1 left out {sorted(left_out)}")
     everything = frozenset(models)
     # results early where that moves no byte more than the grouped order, with or without them (module docstring,
     # pass 1); pass 1's order stands in for the grouped one where grouping would hold more host RAM than there is
-    early = FinishEarly(order, shape.succs, prov, sizes.nbytes, budget.gpu, sorted(start.gpu))
+    early = FinishEarly(shape.succs, order, prov, sizes.nbytes, budget.gpu, sorted(start.gpu))
     chosen = early(order)
-    first = pass3.assign(chosen, costs, sizes, budget, cost, start, prov, everything, repeat, memo)
+    first = pass3.assign(chosen, shape, sizes, budget, cost, start, prov, everything, repeat, memo)
     streams = any(r[-1] is not None for r in first.rows)  # a row's last field: its block plan
     if max(first.loads.values(), default=0) > 1 or streams:  # else no order moves less
         host_room = max(budget.host - pinned_bytes, peak_out)  # (pass 1 may have had to go over it)
-        tight = sum(costs[n].host_bytes for n in nodes) > host_room  # else no order holds more than there is
-        grouped = grouped_order(order, shape, costs, prov)
-        if tight and host_peak(grouped, shape, costs) > host_room:
+        tight = sum(shape.hb) > host_room  # else no order holds more than there is
+        grouped = grouped_order(order, shape, prov)
+        if tight and host_peak(grouped, shape) > host_room:
             grouped = order
         # pass 3 runs a node that has one variant without models, streams or GPU bytes (an image loaded) where it is,
         # moving nothing, and no such node meets a model in its look ahead: orders that differ only in where those
         # nodes run get the same choices for the others
-        neutral = {n for n in shape.nodes if len(costs[n].variants) == 1 and not uses_gpu(costs[n].variants[0])}
+        neutral = [len(nc.variants) == 1 and not uses_gpu(nc.variants[0]) for nc in ncs]
 
-        def on_gpu(o: list[str]) -> list[str]:
-            return [n for n in o if n not in neutral] if neutral and _SHORTCUTS else o
+        def on_gpu(o: list[int]) -> list[int]:
+            return [n for n in o if not neutral[n]] if _SHORTCUTS and any(neutral) else o
 
         tried, tried_first = [on_gpu(chosen)], chosen
         for cand in (early(grouped) if grouped != order else chosen, grouped):
-            if on_gpu(cand) in tried or (tight and host_peak(cand, shape, costs) > host_room):
+            if on_gpu(cand) in tried or (tight and host_peak(cand, shape) > host_room):
                 continue
             tried.append(on_gpu(cand))
-            other = pass3.assign(cand, costs, sizes, budget, cost, start, prov, everything, repeat, memo)
+            other = pass3.assign(cand, shape, sizes, budget, cost, start, prov, everything, repeat, memo)
             if other.moved < first.moved:
                 first, chosen = other, cand
         if chosen is not tried_first:
-            peak_out = host_peak(chosen, shape, costs)
+            peak_out = host_peak(chosen, shape)
     order = chosen
     # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by
     # some other prompt when the used models cannot all stay on the GPU together
     evicted = set(first.unloaded)
-    evicted |= {m for v in first.chosen.values() for m in v.streams}
-    used_models = {m for v in first.chosen.values() for m in v.models + v.streams}
-    if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen.values()), default=0) \
+    evicted |= {m for v in first.chosen for m in v.streams}
+    used_models = {m for v in first.chosen for m in v.models + v.streams}
+    if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen), default=0) \
             > budget.gpu:
         evicted |= used_models  # the models cannot all stay: any of them may have to leave for a later prompt
     variants = {}  # the variants of a node of each kind: all the variants of the plan
-    for n, k in kinds.items():
-        variants.setdefault(k, costs[n].variants)
+    for n, k in enumerate(kinds):
+        variants.setdefault(k, ncs[n].variants)
     used = {m for vs in variants.values() for v in vs for m in v.models}
     # (the next run can only add candidates that are not in yet, and none where it surely moves nothing)
     if repeat and not used <= evicted and not (_SHORTCUTS and all_fit(variants.values(), sizes, budget.gpu,
                                                                        first.end)):
-        nxt = pass3.assign(order, costs, sizes, budget, cost, first.end, prov, everything, repeat, memo)
+        nxt = pass3.assign(order, shape, sizes, budget, cost, first.end, prov, everything, repeat, memo)
         evicted |= nxt.unloaded
-        evicted |= {m for v in nxt.chosen.values() for m in v.streams}
-    pins = pass3.choose_pins(first, sizes, costs, order, start, budget.host - peak_out - pinned_bytes, evicted)
+        evicted |= {m for v in nxt.chosen for m in v.streams}
+    pins = pass3.choose_pins(first, sizes, ncs, order, start, budget.host - peak_out - pinned_bytes, evicted)
     if used <= pins:
         done = first
     elif _SHORTCUTS and evicted <= pins and first.weighed <= pins:  # the copies left out change no choice
         #                                                                  (Assigned.repinned)
         done = first.repinned(pins)
     else:
-        done = pass3.assign(order, costs, sizes, budget, cost, start, prov, pins, repeat, memo)
+        done = pass3.assign(order, shape, sizes, budget, cost, start, prov, pins, repeat, memo)
     parts = {k: sizes.parts[k] for s in done.rows for k in s[3] if k in sizes.parts} if sizes.parts else {}
     #         (a row's resident keys)
-    return Plan(done.steps(shape, costs, cost, tuple(sorted(start.gpu))), budget, {**models, **parts}, done.end, start,
+    return Plan(done.steps(shape, cost, tuple(sorted(start.gpu))), budget, {**models, **parts}, done.end, start,
                 {n: costs[n].class_type for n in nodes}, cost)

@@ -140,9 +140,10 @@ class Sizes:
         return got
 
 
-def node_kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost], sizes: Sizes, gpu: int,
-               shortcuts: bool = True) -> tuple[dict[str, int], dict[str, Variant]]:
-    """Each node's kind for pass 3's remembered choices, and its provisional variant (the first that fits alone).
+def node_kinds(dag: nx.DiGraph, costs: list[NodeCost], sizes: Sizes, gpu: int, shortcuts: bool = True
+               ) -> tuple[list[int], list[Variant]]:
+    """Each node's kind for pass 3's remembered choices, and its provisional variant (the first that fits alone), by
+    the nodes' numbers (`costs`: their NodeCosts, graph/order.py `Shape`).
 
     Two nodes are of a kind exactly when their variants are equal, field by field: the key is made of plain tuples of
     every field, which hash and compare in C (a variant's blocks by theirs, `Sizes.of_blocks`), and nodes that list
@@ -156,11 +157,11 @@ def node_kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost],
     by_ids: dict[tuple[int, ...], int] = {}  # the same variant objects: the same kind, without a look at their fields
     #                                          (the estimates of a queue's nodes share them, nodes/estimates.py)
     fit: list[int] = []  # per kind: the index of its first variant that fits alone
-    kinds: dict[str, int] = {}
-    prov: dict[str, Variant] = {}
+    kinds: list[int] = []
+    prov: list[Variant] = []
     by_list: dict[int, int] = {}  # ... at a glance by the id of their tuple, which such nodes share too
-    for n in nodes:
-        vs = costs[n].variants
+    for nc in costs:
+        vs = nc.variants
         k = by_list.get(id(vs)) if shortcuts else None
         if k is not None:
             pass
@@ -185,10 +186,10 @@ def node_kinds(dag: nx.DiGraph, nodes: list[str], costs: Mapping[str, NodeCost],
         if k == len(fit):
             j = next((j for j, u in enumerate(vs) if sizes.alone(u) <= gpu), None)
             if j is None:
-                raise cycle_error(dag) or infeasible(costs[n], sizes, gpu)
+                raise cycle_error(dag) or infeasible(nc, sizes, gpu)
             fit.append(j)
-        kinds[n] = k
-        prov[n] = vs[fit[k]]
+        kinds.append(k)
+        prov.append(vs[fit[k]])
     return kinds, prov
 
 

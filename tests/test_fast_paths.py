@@ -21,6 +21,7 @@ import pytest
 from vramgraph.graph import assign, planner, residency
 from vramgraph.graph.assign import Memo, NextUse
 from vramgraph.graph.early import FinishEarly
+from vramgraph.graph.order import Shape
 from vramgraph.graph.planner import ModelCost
 from vramgraph.graph.sizes import Sizes, all_fit, node_kinds
 from vramgraph.nodes.types import Blocks, Variant
@@ -273,9 +274,13 @@ def test_finish_early_is_the_plain_pass(seed: int) -> None:
     for order in orders(rng, dag):
         for gpu in (80, 90, 100, 140, 170, 250):
             start = rng.sample(sorted(WEIGHTS), rng.randint(0, 2))
-            succs = {n: list(dag.successors(n)) for n in dag}
-            early = FinishEarly(list(nx.topological_sort(dag)), succs, prov, WEIGHTS, gpu, start)
-            assert early(order) == plain_finish_early(order, dag, prov, WEIGHTS, gpu, start), (order, gpu, start)
+            names = list(dag)  # the pass sees nodes by number (graph/order.py `Shape`)
+            number = {x: i for i, x in enumerate(names)}
+            succs = [[number[s] for s in dag.successors(x)] for x in names]
+            early = FinishEarly(succs, [number[x] for x in nx.topological_sort(dag)], [prov[x] for x in names],
+                                WEIGHTS, gpu, start)
+            got = [names[i] for i in early([number[x] for x in order])]
+            assert got == plain_finish_early(order, dag, prov, WEIGHTS, gpu, start), (order, gpu, start)
 
 
 # ------------------------------------------------------------------------------------------ pass 3's look ahead
@@ -292,19 +297,19 @@ def test_next_use_is_the_walk_along_the_order(seed: int, repeat: bool) -> None:
     pool = [Variant(f"v{k}", ms, act) for k, (ms, act) in enumerate(itertools.product(
         ((), ("te",), ("dit",), ("vae",), ("vae", "dit"), ("ref",)), (0, 5, 30, 90)))]
     n = rng.randint(1, 60)
-    order = [f"n{j}" for j in range(n)]
-    prov = {x: rng.choice(pool) for x in order}
+    order = list(range(n))  # nodes by number (graph/order.py `Shape`)
+    prov = [rng.choice(pool) for _ in order]
     gpu = rng.choice((80, 100, 150, 300))
-    memo = Memo({x: pool.index(prov[x]) for x in order})  # a kind per provisional variant, as plan() makes them
+    memo = Memo([pool.index(prov[x]) for x in order])  # a kind per provisional variant, as plan() makes them
     if seed % 2:  # tables made by an earlier pass over the same order (plan() shares them)
         earlier = NextUse(order, prov, sizes, gpu, repeat, memo)
         for m in WEIGHTS:
-            earlier.first(m, 0, {}, pool[0])
+            earlier.first(m, 0, [None] * n, pool[0])
     after = NextUse(order, prov, sizes, gpu, repeat, memo)
-    chosen: dict[str, Variant] = {}
+    chosen: list = [None] * n
 
     def walk(m: str, i: int, cur: Variant) -> tuple[Variant, int] | None:
-        ahead = [(j - i, chosen.get(order[j]) or prov[order[j]]) for j in range(i + 1, n)]
+        ahead = [(j - i, chosen[order[j]] or prov[order[j]]) for j in range(i + 1, n)]
         behind = [(n - i + j, chosen[order[j]]) for j in range(i)] + [(n, cur)] if repeat else []
         for d, v in ahead + behind:
             if m in v.models or sizes.weights(v.models) + sizes.w(m) + v.activation > gpu:
@@ -467,7 +472,7 @@ def test_kinds_by_the_same_objects_are_kinds_by_equal_fields() -> None:
     dag = nx.DiGraph()
     dag.add_nodes_from(lists)
     costs = {n: planner.NodeCost(n, "Node", vs) for n, vs in lists.items()}
-    kinds, _ = node_kinds(dag, list(lists), costs, Sizes(models), 10**12)
+    kinds = dict(zip(lists, node_kinds(dag, [costs[n] for n in lists], Sizes(models), 10**12)[0], strict=True))
     assert kinds["a"] == kinds["c"] == kinds["d"]
     assert len({kinds[n] for n in "abef"}) == 4
 
@@ -501,16 +506,16 @@ def _check_all_fit(dag: nx.DiGraph, costs: dict, models: dict, planning, starts:
     for start in starts:
         ms = {**models, **{m.key: m for m in start.kept}}
         sizes = Sizes(ms)
-        nodes = list(nx.topological_sort(dag))
-        kinds, prov = node_kinds(dag, nodes, costs, sizes, planning.budget.gpu)
-        variants = {k: costs[n].variants for n, k in kinds.items()}
+        shape = Shape(dag, list(nx.topological_sort(dag)), set(), costs)  # (numbered in that order)
+        kinds, prov = node_kinds(dag, shape.costs, sizes, planning.budget.gpu)
+        variants = {k: shape.costs[n].variants for n, k in enumerate(kinds)}
         fit = all_fit(variants.values(), sizes, planning.budget.gpu, start)
         ALL_FIT.append(fit)
         if fit:
-            got = assign.assign(nodes, costs, sizes, planning.budget, planning.cost, start, prov, frozenset(ms),
-                                  True, Memo(kinds))
+            got = assign.assign(list(range(len(kinds))), shape, sizes, planning.budget, planning.cost, start, prov,
+                                frozenset(ms), True, Memo(kinds))
             assert not {m for m in got.unloaded if sizes.base(m) is None}
-            assert not any(v.streams for v in got.chosen.values())
+            assert not any(v.streams for v in got.chosen)
 
 
 def test_all_fit_was_asked_both_ways() -> None:
@@ -569,15 +574,17 @@ def plain_grouped(order: list[str], dag: nx.DiGraph, stage: dict[str, str], prov
 def test_grouped_order_is_the_heaps_order(seed: int) -> None:
     """`grouped_order` takes the nodes sorted by their heap keys where that order is topological, else runs the heap:
     the same order either way, over random queues (decodes that need no GPU make the sorted order fail) and orders."""
-    from vramgraph.graph.order import Shape, grouped_order
+    from vramgraph.graph.order import grouped_order
 
     rng = random.Random(seed)
     dag, prov = queue(rng, rng.choice((1, 2, 3, 8)))
     stage = {n: n.split(":")[-1] for n in dag}
     costs = {n: planner.NodeCost(n, stage[n], (prov[n],), host_bytes=1 if prov[n].models else 0) for n in dag}
-    shape = Shape(dag, list(dag), set(), costs)
+    shape = Shape(dag, list(dag), set(), costs)  # (nodes by number, in the DAG's order)
+    number = {n: i for i, n in enumerate(shape.names)}
     for order in orders(rng, dag)[:3]:  # (topological ones: pass 1's order is)
-        assert grouped_order(order, shape, costs, prov) == plain_grouped(order, dag, stage, prov)
+        got = grouped_order([number[n] for n in order], shape, [prov[n] for n in shape.names])
+        assert [shape.names[i] for i in got] == plain_grouped(order, dag, stage, prov)
 
 
 @pytest.mark.parametrize("seed", range(30))

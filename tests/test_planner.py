@@ -401,13 +401,16 @@ def test_finish_early_moves_only_nodes_whose_descendants_need_no_other_model():
     for i in range(2):
         dag.add_edge(f"decode{i}", f"save{i}")
         costs[f"save{i}"] = NodeCost(f"save{i}", "SaveImage", (Variant("host", (), 0, 0.0),))
-    prov = {n: c.variants[0] for n, c in costs.items()}
+    names = list(dag)  # the pass sees nodes by number (graph/order.py `Shape`)
+    number = {n: i for i, n in enumerate(names)}
+    prov = [costs[n].variants[0] for n in names]
     grouped = ["enc0", "enc1", "sample0", "sample1", "decode0", "save0", "decode1", "save1"]
     w = {k: m.nbytes for k, m in MODELS.items()}
-    succs = {n: list(dag.successors(n)) for n in dag}
+    succs = [[number[s] for s in dag.successors(n)] for n in names]
 
     def finish_early(order: list[str], gpu: int) -> list[str]:
-        return FinishEarly(order, succs, prov, w, gpu)(order)
+        o = [number[n] for n in order]
+        return [names[i] for i in FinishEarly(succs, o, prov, w, gpu)(o)]
 
     assert finish_early(grouped, card(12).gpu) == [
         "enc0", "enc1", "sample0", "decode0", "save0", "sample1", "decode1", "save1"]

@@ -490,6 +490,8 @@ def assign(order: list[int], shape: Shape, sizes: Sizes, budget: Budget, cm: Cos
                 return False
         return True
 
+    part_of: dict[int, str | None] = {}  # per block plan (by identity): the key of the part it leaves (Sizes.part)
+    unique = sizes.unique
     for i, node in enumerate(order):
         nc = costs[node]
         vs = nc.variants
@@ -542,7 +544,7 @@ def assign(order: list[int], shape: Shape, sizes: Sizes, budget: Budget, cm: Cos
                 del kept[base]
             rows.append((Unload, (m, "pinned" if m in pinned or base is not None else "drop"), held, now, 0.0,
                          f"makes room for {names[node]} ({nc.class_type})", (), None))
-        for m in sizes.unique(v.models):
+        for m in unique(v.models):
             if m in resident:
                 continue
             src = "pinned" if m in pinned else "file"
@@ -571,9 +573,12 @@ def assign(order: list[int], shape: Shape, sizes: Sizes, budget: Budget, cm: Cos
                 del kept[bp.model]
             gpu_bytes = held + bp.gpu_bytes
             moved += bp.uploaded
-            part = sizes.part(bp)
+            part = part_of.get(id(bp), ...)
+            if part is ...:  # (the nodes of a remembered choice share its block plan)
+                part = part_of[id(bp)] = sizes.part(bp)
+                if part is not None:
+                    w[part] = sizes.w(part)
             if part is not None:  # its resident part stays on the GPU after it, until a node needs the room
-                w[part] = sizes.w(part)
                 kept[bp.model] = part
                 resident.append(part)
                 held += w[part]

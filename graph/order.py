@@ -39,14 +39,9 @@ def uses_gpu(v: Variant) -> bool:
     return bool(v.models or v.streams or v.activation or v.blocks is not None)
 
 
-def needs_nothing(nc: NodeCost) -> bool:
-    """A node with one variant that uses no model, streams none and needs no GPU bytes, and whose outputs hold no host
-    RAM (a loader, a save, ComfyUI's guider and noise nodes): where it runs changes nothing the planner counts."""
-    return not nc.host_bytes and len(nc.variants) == 1 and not uses_gpu(nc.variants[0])
-
-
 class Shape:
-    """The graph as the passes read it, its nodes numbered. A node that needs nothing (`needs_nothing`) runs as soon as
+    """The graph as the passes read it, its nodes numbered. A node that needs nothing (one variant that uses no GPU,
+    `uses_gpu`, and outputs that hold no host RAM: a loader, a save, ComfyUI's guider and noise nodes) runs as soon as
     its inputs are ready: the passes order only the others (`names`, numbered 0.. in the DAG's order, so that the
     lowest number is the earliest in the graph), with an edge u -> v wherever v reads u's output directly or through
     nodes that need nothing, and `expand` puts the rest of an order's nodes back in (numbered apart, in the DAG's

@@ -12,6 +12,7 @@ allows. When everything fits, nothing is pinned and every model is loaded with `
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import re
@@ -285,6 +286,32 @@ def test_infeasible_node_raises_plan_error():
                             "tiled: 9.69 GiB (weights 0.09 + activation 9.60)")
     assert d["extra_info"]["node_id"] == "decode" and d["extra_info"]["min_budget_gib"] == 9.59
     json.dumps(d)
+
+
+def test_plan_leaves_the_garbage_collector_as_it_found_it():
+    """plan() pauses Python's cyclic collector while it plans (graph/planner.py) and turns it back on afterwards, a
+    PlanError included; one that something else turned off stays off.
+
+        enc ──► sample ──► decode
+    """
+    dag, costs = chains(1, suffix=False)
+    bad = dict(costs, decode=decode("decode", 2048, (Variant("gpu", ("vae",), gib(9.5), 0.4),)))
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        plan(dag, costs, MODELS, card(12))
+        assert gc.isenabled()
+        with pytest.raises(PlanError):
+            plan(dag, bad, MODELS, card(10))
+        assert gc.isenabled()
+        gc.disable()
+        plan(dag, costs, MODELS, card(12))
+        assert not gc.isenabled()
+        with pytest.raises(PlanError):
+            plan(dag, bad, MODELS, card(10))
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_weights_alone_too_big():

@@ -4,6 +4,7 @@
   index), tokenizer/.
 - BFL single files: the transformer (keys with or without `model.diffusion_model.`) and the VAE.
 - ComfyUI split files: models/diffusion_models/, models/text_encoders/, models/vae/.
+- GGUF files (ComfyUI-GGUF's transformers, llama.cpp's Qwen3 text encoders) among them: models/gguf.py.
 
 Every file is recognised from its safetensors header (which tensors it holds), never from its name.
 `inspect()` reads headers only and returns a `ModelSpec`: per component its files, dtype,
@@ -14,6 +15,7 @@ component from its spec.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,11 +25,14 @@ from typing import Any
 
 from . import flux2_config, qwen3_config, vae_config
 from .dtypes import compute_name, itemsize, torch_dtype
+from .gguf import tokenizer_note
 from .headers import CheckpointError, TensorInfo, read_header, read_headers, strip_prefix
 from .paths import walk_files
 from .quant import check_weights, quant_layers, scale_sources, stored_nbytes
 
+log = logging.getLogger(__name__)
 COMPONENTS = ("transformer", "text_encoder", "vae")
+CHECKPOINT_EXTENSIONS = (".safetensors", ".gguf")  # files looked at in a folder (recognised by their headers)
 _PREFIXES = {
     "transformer": flux2_config.BFL_PREFIXES,
     "text_encoder": (),
@@ -272,8 +277,8 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
         else:
             subdirs = [p / s for s in ("diffusion_models", "unet", "text_encoders", "clip", "vae") if (p / s).is_dir()]
             # ComfyUI lets users sort models into subfolders of its model folders
-            cands = _candidates(d / f for d in subdirs for f in walk_files(d, (".safetensors",))) if subdirs else \
-                _candidates(p.glob("*.safetensors"))
+            cands = _candidates(d / f for d in subdirs for f in walk_files(d, CHECKPOINT_EXTENSIONS)) if subdirs \
+                else _candidates(f for e in CHECKPOINT_EXTENSIONS for f in p.glob("*" + e))
             layout, folders = ("comfyui" if subdirs else "files"), [p, *subdirs]
             if not cands:
                 raise CheckpointError(f"{p}: no FLUX.2 [klein] checkpoint in this folder")
@@ -298,6 +303,11 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
     metas = [read_header(f)[1] for f in (tr.files if tr is not None else ())]
     distilled, source = _distilled(index, metas, [f.name for f in (tr.files if tr is not None else ())])
     te = specs["text_encoder"]
+    for f in te.files if te is not None else ():
+        meta = read_header(f)[1]
+        if "gguf.tokenizer" in meta:  # a GGUF text encoder: say which tokenizer it gets
+            log.info("%s", tokenizer_note(f, meta) if tokenizer is None else f"{f.name}: the tokenizer {tokenizer} "
+                     "is used")
     if tr is not None and te is not None:
         want = tr.config.context_dim
         have = te.config.out_dim

@@ -26,6 +26,11 @@ GGML_BLOCKS: dict[str, tuple[int, int]] = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
 }
+# elements dequantized at once into a non-fp32 output (models/gguf_dequant.py): the fp32 working set of one chunk (the
+# quants, the products, the result: at most GGML_WORK_BYTES per element, counted from its ops, not measured) stays
+# near 128 MiB beside the output, where a whole klein-9B layer (36864 x 4096) in fp32 would take 0.56 GiB per copy
+GGML_CHUNK_ELEMENTS = 1 << 23
+GGML_WORK_BYTES = 16
 
 
 def stored_bytes(stored: str, default: int = 2) -> int:

@@ -15,9 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from .dtypes import GGML_BLOCKS
-
-CHUNK_BLOCKS = 1 << 16  # blocks dequantized at once when the output is not fp32: 16M elements (64 MiB fp32) of K
+from .dtypes import GGML_BLOCKS, GGML_CHUNK_ELEMENTS
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -136,11 +134,11 @@ PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
-               chunk_blocks: int = CHUNK_BLOCKS) -> torch.Tensor:
+               chunk_elements: int = GGML_CHUNK_ELEMENTS) -> torch.Tensor:
     """A tensor of `shape` in `dtype` from its stored bytes `raw` (uint8, any shape; `kind` a GGUF type name).
 
     Computed in fp32 (bit for bit the `gguf` package's values), then cast to `dtype`; for a `dtype` other than fp32
-    at most `chunk_blocks` blocks are in fp32 at once.
+    at most `chunk_elements` elements (whole blocks) are in fp32 at once.
     """
     if kind in PLAIN:
         return raw.reshape(-1).view(PLAIN[kind]).reshape(shape).to(dtype)
@@ -149,6 +147,7 @@ def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torc
         raise ValueError(f"GGUF type {kind} is not one vramgraph dequantizes ({', '.join([*PLAIN, *BLOCK_DEQUANT])})")
     size, nbytes = GGML_BLOCKS[kind]
     blocks = raw.reshape(-1, nbytes)
+    chunk_blocks = max(1, chunk_elements // size)
     if dtype == torch.float32 or blocks.shape[0] <= chunk_blocks:
         return fn(blocks).to(dtype).reshape(shape)
     out = torch.empty(blocks.shape[0], size, dtype=dtype, device=raw.device)

@@ -62,7 +62,7 @@ def test_torch_dequantization_equals_gguf_numpy(tmp_path, kind):
     assert got.dtype == torch.float32 and torch.isfinite(want).all()
     assert torch.equal(got, want)
     if kind in GGML_BLOCKS:  # chunked into the compute dtype: the same values, rounded once
-        half = dequantize(read_stored(info).clone(), kind, info.shape, torch.bfloat16, chunk_blocks=3)
+        half = dequantize(read_stored(info).clone(), kind, info.shape, torch.bfloat16, chunk_elements=3 * 256)
         assert torch.equal(half, want.to(torch.bfloat16))
 
 

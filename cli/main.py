@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -389,6 +390,7 @@ def _session(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..models import loading
+    from ..models.gguf import is_gguf
 
     spec = loading.inspect(args.models)
     out = {"variant": spec.variant, "distilled": spec.distilled, "distilled_from": spec.distilled_from,
@@ -400,6 +402,8 @@ def _inspect(args: argparse.Namespace) -> int:
             "bf16_gib": round(c.nbytes("bf16") / 2**30, 3), "blocks": len(c.block_params),
             # what loading it for bf16 compute puts on the GPU, by stored dtype (fp8 layers stay fp8)
             "bytes": c.nbytes("bf16"), "dtype_mix": dict(c.dtype_mix), "quantized_layers": c.quant_layers}
+        if c is not None and any(is_gguf(f) for f in c.files):  # GGUF: its tensors by stored type (the quant mix)
+            out[kind]["gguf_types"] = dict(Counter(i.dtype for i in c.infos.values()).most_common())
     print(json.dumps(out, indent=1))
     return 0
 

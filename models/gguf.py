@@ -85,8 +85,8 @@ def _reader(path: Path) -> Any:
     try:
         return GGUFReader(path, "r")
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, NotImplementedError) as e:
-        raise GGUFError(f"{path}: not a readable GGUF file ({e}): it is damaged or incomplete (an interrupted "
-                        "download?); fetch it again") from e
+        raise GGUFError(f"{path}: not a readable GGUF file: it is truncated or damaged (an interrupted download?); "
+                        f"fetch it again (the gguf reader says: {e})") from e
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from e
 

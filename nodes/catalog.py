@@ -17,6 +17,7 @@ from typing import Any
 
 from ..models import flux2_config, loading, qwen3_config, vae_config
 from ..models.dtypes import itemsize
+from ..models.gguf import GGUFError
 from ..models.headers import CheckpointError
 from ..models.quant import QuantError
 from .files import Folders, identity
@@ -51,7 +52,8 @@ _refusals_lock = threading.Lock()
 
 def header_refusal(folders: Any, folder: str, name: str) -> str | None:
     """Why the model file (or checkpoint folder) `name` in `folder` cannot be loaded, from its header alone: a
-    quantisation vramgraph does not run (`QuantError`: the file, the layer and the format), else None. The loader
+    quantisation vramgraph does not run (`QuantError`: the file, the layer and the format) or a GGUF file that is
+    damaged or not ours (`GGUFError`: the file and what is wrong), else None. The loader
     nodes' VALIDATE_INPUTS ask this, so such a file is refused at validation, not when the prompt runs. A file that
     is absent (planning from the built-in specs) or unreadable is left to the loader (None). `folders` None: inside
     ComfyUI (its folder_paths). Answers are kept per file identity, so a validation reads each header once."""
@@ -70,7 +72,7 @@ def header_refusal(folders: Any, folder: str, name: str) -> str | None:
     try:
         loading.inspect([path])
         found = None
-    except QuantError as e:
+    except (QuantError, GGUFError) as e:  # GGUF: a damaged or foreign file is refused here too
         found = str(e)
     except Exception:  # not a quantisation problem (damaged, not ours, ...): the loader reports it when it runs
         found = None

@@ -1,0 +1,125 @@
+"""GGUF files through the engine: ComfyUI-GGUF's loader nodes (nodes/gguf.py) in an unchanged workflow, the VG
+loaders, the plan at the files' real bytes, refusals at validation, and `vramgraph inspect`'s quant mix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf_files import write_gguf
+from helpers import save
+from PIL import Image
+from safetensors.torch import load_file
+from test_engine import core_text_to_image, folders_for
+from vramgraph.graph.errors import ValidationFailed
+from vramgraph.graph.executor import Engine
+from vramgraph.models import loading
+from vramgraph.models.tiny import write_tiny_models
+
+NAMES = {"transformer": "flux-2-klein-4b.safetensors", "text_encoder": "qwen_3_4b.safetensors",
+         "vae": "flux2-vae.safetensors"}
+TR_GGUF, TE_GGUF = "flux-2-klein-4b-Q8_0.gguf", "Qwen3-4B-Q8_0.gguf"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two models folders: GGUF files (Q8_0: the transformer under ComfyUI-GGUF's prefix, the text encoder with
+    llama.cpp's names) and, under the core graph's names, safetensors files holding the same weights dequantized."""
+    root = tmp_path_factory.mktemp("gguf")
+    plain = write_tiny_models(root / "plain", names=NAMES)
+    quant = root / "quant"
+    (quant / "vae").mkdir(parents=True)
+    shutil.copy(plain / "vae" / NAMES["vae"], quant / "vae" / NAMES["vae"])
+    tr = {"model.diffusion_model." + k: v for k, v in load_file(str(plain / "diffusion_models" /
+                                                                     NAMES["transformer"])).items()}
+    held = write_gguf(quant / "diffusion_models" / TR_GGUF, tr, "Q8_0")
+    save({k.removeprefix("model.diffusion_model."): v for k, v in held.items()},
+         plain / "diffusion_models" / NAMES["transformer"])
+    te = load_file(str(plain / "text_encoders" / NAMES["text_encoder"]))
+    held = write_gguf(quant / "text_encoders" / TE_GGUF, te, "Q8_0", arch="qwen3", llama_names=True)
+    save(held, plain / "text_encoders" / NAMES["text_encoder"])
+    return plain, quant
+
+
+def _gguf_graph(unet: str = TR_GGUF, clip: str = TE_GGUF) -> dict:
+    """The core graph as a ComfyUI-GGUF user saves it: UnetLoaderGGUF and CLIPLoaderGGUF for the two loaders."""
+    g = core_text_to_image("a kite", seed=1, steps=2, size=64)
+    g["1"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": unet}}
+    g["2"] = {"class_type": "CLIPLoaderGGUF", "inputs": {"clip_name": clip, "type": "flux2"}}
+    return g
+
+
+def _pixels(paths: list[Path]) -> np.ndarray:
+    (p,) = paths
+    return np.asarray(Image.open(p)).astype(np.int16)
+
+
+def test_comfyui_gguf_workflow_runs_as_on_the_dequantized_weights(pair, input_dir, tmp_path):
+    plain, quant = pair
+    engine = Engine(folders_for(quant, input_dir, tmp_path / "q"), device="cpu")
+    graph = _gguf_graph()
+    assert set(engine.nodes["UnetLoaderGGUF"].INPUT_TYPES(engine.folders)["required"]["unet_name"][0]) == {TR_GGUF}
+    prepared = engine.prepare(graph)
+    sizes = {m.label: m.nbytes for m in prepared.plan.models.values()}
+    spec = loading.inspect(quant)
+    assert sizes["transformer"] == spec.transformer.nbytes("fp32") < spec.transformer.params * 4  # CPU runs fp32
+    assert sizes["text encoder"] == spec.text_encoder.nbytes("fp32") < spec.text_encoder.params * 4
+    got = _pixels(engine.run(graph).images)
+    ref = Engine(folders_for(plain, input_dir, tmp_path / "p"), device="cpu")
+    want = _pixels(ref.run(core_text_to_image("a kite", seed=1, steps=2, size=64)).images)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1  # same weights: the same picture
+
+
+def test_vg_loaders_and_advanced_loader_take_gguf(pair, input_dir, tmp_path):
+    _, quant = pair
+    engine = Engine(folders_for(quant, input_dir, tmp_path), device="cpu")
+    assert TR_GGUF in engine.nodes["VGLoadTransformer"].INPUT_TYPES(engine.folders)["required"]["file"][0]
+    graph = _gguf_graph()
+    graph["1"] = {"class_type": "UnetLoaderGGUFAdvanced", "inputs": {
+        "unet_name": TR_GGUF, "dequant_dtype": "float16", "patch_dtype": "default", "patch_on_device": False}}
+    assert engine.prepare(graph).plan is not None
+    vg = json.loads((Path(__file__).parents[1] / "workflows" / "text_to_image.json").read_text())
+    vg["1"]["inputs"]["file"], vg["2"]["inputs"]["file"] = TR_GGUF, TE_GGUF
+    vg["5"]["inputs"].update(width=64, height=64)
+    vg["6"]["inputs"]["steps"] = 1
+    assert len(engine.run(vg).images) == 1
+
+
+def test_bad_gguf_files_are_refused_at_validation(pair, input_dir, tmp_path):
+    _, quant = pair
+    models = tmp_path / "models"
+    shutil.copytree(quant, models)
+    raw = (quant / "diffusion_models" / TR_GGUF).read_bytes()
+    (models / "diffusion_models" / "cut-Q8_0.gguf").write_bytes(raw[:-4096])
+    engine = Engine(folders_for(models, input_dir, tmp_path), device="cpu")
+    with pytest.raises(ValidationFailed) as info:
+        engine.prepare(_gguf_graph(unet="cut-Q8_0.gguf"))
+    (err,) = info.value.response["node_errors"]["1"]["errors"]
+    assert err["type"] == "custom_validation_failed" and err["extra_info"]["input_name"] == "unet_name"
+    assert "cut-Q8_0.gguf" in err["details"] and "truncated" in err["details"]
+    with pytest.raises(ValidationFailed) as info:
+        engine.prepare(_gguf_graph(unet=NAMES["transformer"]))
+    (err,) = info.value.response["node_errors"]["1"]["errors"]
+    assert "'flux-2-klein-4b.safetensors' not in ['cut-Q8_0.gguf', 'flux-2-klein-4b-Q8_0.gguf']" in err["details"]
+    assert "UnetLoaderGGUF loads .gguf files" in engine.nodes["UnetLoaderGGUF"].VALIDATE_INPUTS(
+        unet_name=NAMES["transformer"], folders=engine.folders)["unet_name"]
+
+
+def test_inspect_prints_the_quant_mix(pair):
+    _, quant = pair
+    out = subprocess.run([sys.executable, "-m", "vramgraph", "inspect", str(quant)], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent)
+    found = json.loads(out.stdout)
+    spec = loading.inspect(quant)
+    for kind in ("transformer", "text_encoder"):
+        c = found[kind]
+        assert c["dtype_mix"] == dict(getattr(spec, kind).dtype_mix) and "Q8_0" in c["dtype_mix"]
+        assert c["gguf_types"]["Q8_0"] == getattr(spec, kind).quant_layers > 0
+        plain = getattr(spec, kind).params - sum(n for _, n, _ in getattr(spec, kind).quant_blocks)
+        assert c["bytes"] == c["dtype_mix"]["Q8_0"] + 2 * plain  # blocks as stored, F32 norms loaded as bf16
+    assert "no tokenizer metadata" not in out.stderr

@@ -3,6 +3,7 @@ loaders, the plan at the files' real bytes, refusals at validation, and `vramgra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf_files import write_gguf
 from helpers import save
 from PIL import Image
@@ -123,3 +125,46 @@ def test_inspect_prints_the_quant_mix(pair):
         plain = getattr(spec, kind).params - sum(n for _, n, _ in getattr(spec, kind).quant_blocks)
         assert c["bytes"] == c["dtype_mix"]["Q8_0"] + 2 * plain  # blocks as stored, F32 norms loaded as bf16
     assert "no tokenizer metadata" not in out.stderr
+
+
+def test_blocks_stream_at_their_stored_bytes_and_change_the_plan(tmp_path, input_dir):
+    """A 10-block tiny transformer: 44 MiB in fp32 (the CPU's compute dtype), 6 MiB as Q4_0 blocks. With 45 MiB the
+    fp32 file must stream while the GGUF one stays resident; with 30 MiB the fp32 file cannot run at all and the GGUF
+    one streams its blocks at their stored bytes, giving the picture the roomy engine gives, bit for bit."""
+    from vramgraph.graph.budget import Budget
+    from vramgraph.graph.planner import PlanError
+    from vramgraph.models.flux2 import Flux2Transformer
+    from vramgraph.models.tiny import TINY_TRANSFORMER
+
+    models = write_tiny_models(tmp_path / "models", names=NAMES)
+    torch.manual_seed(3)
+    deep = Flux2Transformer(dataclasses.replace(TINY_TRANSFORMER, depth_double=2, depth_single=8))
+    sd = {k: v.contiguous() for k, v in deep.state_dict().items()}
+    save(sd, models / "diffusion_models" / NAMES["transformer"])
+    write_gguf(models / "diffusion_models" / "deep-Q4_0.gguf", sd, "Q4_0")
+    spec = loading.inspect(models / "diffusion_models" / "deep-Q4_0.gguf").transformer
+    assert spec.nbytes("fp32") * 7 < loading.inspect(models / "diffusion_models" / NAMES["transformer"]
+                                                     ).transformer.nbytes("fp32")
+
+    def engine(mib: int | None, out: str) -> Engine:
+        budget = Budget(gpu=mib * 2**20, host=8 * 2**30) if mib else None
+        return Engine(folders_for(models, input_dir, tmp_path / out), device="cpu",
+                      **({"budget": budget} if budget else {}))
+
+    def graph(unet: str) -> dict:
+        g = core_text_to_image("a kite", seed=1, steps=2, size=64)
+        if unet.endswith(".gguf"):
+            g["1"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": unet}}
+        return g
+
+    assert engine(45, "a").prepare(graph(NAMES["transformer"])).plan.variant_of("11") == "stream"
+    assert engine(45, "b").prepare(graph("deep-Q4_0.gguf")).plan.variant_of("11") == "gpu"
+    with pytest.raises(PlanError, match=r"needs .* GiB of GPU memory"):
+        engine(30, "c").prepare(graph(NAMES["transformer"]))
+    small = engine(30, "d")
+    got = small.run(graph("deep-Q4_0.gguf"))
+    (step,) = [s for s in got.plan.steps if s.blocks is not None and s.blocks.model.startswith("transformer")]
+    sizes = [b for name, b in spec.block_bytes("fp32").items() if name.startswith(("double_", "single_"))]
+    assert step.blocks.streamed and step.blocks.streamed_bytes == sum(sizes[i] for i in step.blocks.streamed)
+    want = engine(None, "e").run(graph("deep-Q4_0.gguf"))
+    assert np.array_equal(_pixels(got.images), _pixels(want.images))

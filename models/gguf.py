@@ -2,8 +2,9 @@
 
 A GGUF file is recognised by its magic bytes, whatever its name; `headers.read_header` hands it here. The tables
 it returns are like a safetensors header's: every tensor's name, stored type, shape (in torch's order: GGUF lists
-dimensions fastest first) and where its bytes start. The `gguf` package memory-maps the file and reads nothing
-but the header; tensors are later read byte for byte into place (models/common.py), never as a whole-file copy.
+dimensions fastest first) and where its bytes start. The header is walked through a read-only memory map
+(models/gguf_header.py; the `gguf` package gives the type codes); tensors are later read byte for byte into place
+(models/common.py), never as a whole-file copy.
 
 Conventions followed (those of ComfyUI-GGUF, city96/ComfyUI-GGUF `loader.py`):
 - transformers carry `general.architecture` "flux" (ComfyUI-GGUF's name for FLUX-style models, FLUX.2 included)
@@ -21,16 +22,14 @@ truncated download, a tensor whose declared shape runs over the next one) is ref
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .dtypes import GGML_BLOCKS
+from .gguf_header import Header, HeaderError, RawTensor, read_gguf_header
 from .headers import CheckpointError, TensorInfo
-
-log = logging.getLogger(__name__)
 
 MAGIC = b"GGUF"
 PLAIN_TYPES = ("F32", "F16", "BF16")  # stored like safetensors' dtypes of the same names
@@ -76,63 +75,45 @@ def hf_name(name: str) -> str:
     return name
 
 
-def _reader(path: Path) -> Any:
+def _types() -> Any:
     try:
-        from gguf import GGUFReader
+        from gguf import GGMLQuantizationType
     except ImportError as e:
-        raise CheckpointError(f"{path}: a GGUF file; reading it needs the gguf package: "
-                              "pip install 'vramgraph[gguf]' (or pip install gguf)") from e
+        raise CheckpointError("reading GGUF files needs the gguf package: pip install 'vramgraph[gguf]' "
+                              "(or pip install gguf)") from e
+    return GGMLQuantizationType
+
+
+def _header(path: Path) -> Header:
     try:
-        return GGUFReader(path, "r")
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, NotImplementedError) as e:
-        raise GGUFError(f"{path}: not a readable GGUF file: it is truncated or damaged (an interrupted download?); "
-                        f"fetch it again (the gguf reader says: {e})") from e
+        return read_gguf_header(path)
+    except HeaderError as e:
+        raise GGUFError(f"{path}: not a readable GGUF file: {e}; it is truncated or damaged (an interrupted "
+                        "download?): fetch it again") from e
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from e
 
 
-def _field(reader: Any, key: str) -> Any:
-    """A scalar or string metadata value; None if absent; arrays as their length."""
-    from gguf import GGUFValueType
-
-    f = reader.get_field(key)
-    if f is None or not f.types:
-        return None
-    if f.types[0] == GGUFValueType.ARRAY:
-        return len(f.data)
-    if f.types[0] == GGUFValueType.STRING:
-        return bytes(f.parts[f.data[-1]]).decode("utf-8", "replace")
-    return f.parts[f.data[-1]].tolist()[0]
-
-
-def _orig_shape(reader: Any, name: str) -> tuple[int, ...] | None:
-    from gguf import GGUFValueType
-
-    f = reader.get_field(f"comfy.gguf.orig_shape.{name}")
-    if f is None:
-        return None
-    if len(f.types) != 2 or f.types[0] != GGUFValueType.ARRAY:
-        raise GGUFError(f"{reader.data.filename}: its comfy.gguf.orig_shape.{name} is not a list of dimensions")
-    return tuple(int(f.parts[i][0]) for i in f.data)
-
-
-def _tensor(path: Path, reader: Any, t: Any) -> TensorInfo:
-    kind = getattr(t.tensor_type, "name", str(t.tensor_type))
+def _tensor(path: Path, head: Header, t: RawTensor, types: Any) -> TensorInfo:
+    try:
+        kind = types(t.type_code).name
+    except ValueError:
+        kind = f"type {t.type_code}"
     if kind not in SUPPORTED:
         raise GGUFError(f"{path}: tensor {t.name} is stored as {kind}, which vramgraph does not run (it runs "
                         f"{', '.join(SUPPORTED)}); use a file quantised to one of those")
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    orig = _orig_shape(reader, t.name)
+    shape = tuple(reversed(t.dims))
+    orig = head.metadata.get(f"comfy.gguf.orig_shape.{t.name}")
     if orig is not None:
-        if kind in GGML_BLOCKS or _prod(orig) != _prod(shape):
-            raise GGUFError(f"{path}: tensor {t.name}: comfy.gguf.orig_shape {list(orig)} does not fit its stored "
-                            f"shape {list(shape)} ({kind}); the file is damaged")
-        shape = orig
+        if not isinstance(orig, tuple) or kind in GGML_BLOCKS or _prod(orig) != _prod(shape):
+            raise GGUFError(f"{path}: tensor {t.name}: comfy.gguf.orig_shape {orig} does not fit its stored shape "
+                            f"{list(shape)} ({kind}); the file is damaged")
+        shape = tuple(int(d) for d in orig)
     block = GGML_BLOCKS.get(kind)
     if block is not None and (not shape or shape[-1] % block[0]):
         raise GGUFError(f"{path}: tensor {t.name} ({kind}) has rows of {shape[-1] if shape else 0} elements, not a "
                         f"whole number of {block[0]}-element blocks; the file is damaged")
-    return TensorInfo(path, kind, shape, t.name, offset=int(t.data_offset))
+    return TensorInfo(path, kind, shape, t.name, offset=t.offset)
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -164,22 +145,26 @@ def read_gguf(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     and `gguf.types` (the quant mix: "Q4_K:240,F32:193").
     """
     path = Path(path)
-    reader = _reader(path)
-    meta = {k: str(v) for k in META_KEPT if (v := _field(reader, k)) is not None}
+    types = _types()
+    head = _header(path)
+    meta = {k: str(head.metadata[k]) for k in META_KEPT if isinstance(head.metadata.get(k), (str, int, float))}
     arch = meta.get("general.architecture", "")
     if arch not in TRANSFORMER_ARCHES + TEXT_ARCHES + NO_ARCH:
         raise GGUFError(f"{path}: a GGUF file of architecture {arch!r}, which is not one vramgraph runs: it reads "
                         "FLUX.2 [klein] transformers (architecture 'flux') and Qwen3 text encoders ('qwen3')")
-    text = arch in TEXT_ARCHES or any(t.name.startswith("blk.") for t in reader.tensors)
+    text = arch in TEXT_ARCHES or any(t.name.startswith("blk.") for t in head.tensors)
     infos: dict[str, TensorInfo] = {}
-    types: dict[str, int] = {}
-    for t in reader.tensors:
-        info = _tensor(path, reader, t)
-        infos[hf_name(t.name) if text else t.name] = info
-        types[info.dtype] = types.get(info.dtype, 0) + 1
+    types_found: dict[str, int] = {}
+    for t in head.tensors:
+        info = _tensor(path, head, t, types)
+        name = hf_name(t.name) if text else t.name
+        if name in infos:
+            raise GGUFError(f"{path}: tensor {t.name} is listed twice; the file is damaged")
+        infos[name] = info
+        types_found[info.dtype] = types_found.get(info.dtype, 0) + 1
     _check_spans(path, infos)
-    meta["gguf.tokenizer"] = "present" if reader.get_field("tokenizer.ggml.tokens") is not None else "absent"
-    meta["gguf.types"] = ",".join(f"{k}:{n}" for k, n in sorted(types.items(), key=lambda kv: -kv[1]))
+    meta["gguf.tokenizer"] = "present" if "tokenizer.ggml.tokens" in head.metadata else "absent"
+    meta["gguf.types"] = ",".join(f"{k}:{n}" for k, n in sorted(types_found.items(), key=lambda kv: -kv[1]))
     if text:
         pre = meta.get("tokenizer.ggml.pre")
         if pre is not None and pre not in QWEN_TOKENIZERS:

@@ -199,3 +199,44 @@ def test_damaged_and_foreign_files_are_refused_naming_the_file(tmp_path):
     (tmp_path / "magic.gguf").write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     with pytest.raises(GGUFError, match=r"magic\.gguf: not a readable GGUF file"):
         read_header(tmp_path / "magic.gguf")
+
+
+def test_header_walk_matches_gguf_reader(tmp_path):
+    """models/gguf_header.py against the `gguf` package's GGUFReader on the same file: a text encoder's header with a
+    tokenizer (arrays of strings and numbers skipped, not read), scalars of every width, a comfy.gguf.orig_shape
+    list and mixed tensor types; every tensor's name, dimensions, type and absolute offset agree."""
+    from vramgraph.models.gguf_header import read_gguf_header
+
+    path = tmp_path / "te.gguf"
+    w = GGUFWriter(str(path), "qwen3")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"tok{i}" for i in range(5000)])
+    w.add_token_types([1] * 5000)
+    w.add_token_merges([f"a{i} b{i}" for i in range(4000)])
+    w.add_uint8("t.u8", 7)
+    w.add_int64("t.i64", -5)
+    w.add_float64("t.f64", 0.25)
+    w.add_bool("t.bool", True)
+    w.add_array("comfy.gguf.orig_shape.blk.1.attn_norm.weight", [8, 4])
+    rng = np.random.default_rng(0)
+    w.add_tensor("blk.0.attn_q.weight", random_blocks("Q4_K", 4, 256, rng), raw_dtype=T.Q4_K)
+    w.add_tensor("blk.1.attn_norm.weight", np.ones(32, np.float32))
+    w.add_tensor("token_embd.weight", quants.quantize(np.ones((6, 64), np.float32), T.Q8_0), raw_dtype=T.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    head = read_gguf_header(path)
+    reader = GGUFReader(path)
+    assert [(t.name, t.dims, t.type_code, t.offset) for t in head.tensors] == \
+        [(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset)) for t in reader.tensors]
+    assert head.data_offset == reader.data_offset
+    assert head.metadata["general.architecture"] == "qwen3" and head.metadata["t.i64"] == -5
+    assert head.metadata["t.u8"] == 7 and head.metadata["t.f64"] == 0.25 and head.metadata["t.bool"] is True
+    assert head.metadata["tokenizer.ggml.tokens"] == ("array", 8, 5000)
+    assert set(head.metadata) == set(reader.fields) - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    infos, meta = read_header(path)
+    assert infos["model.layers.1.input_layernorm.weight"].shape == (8, 4)  # the orig_shape, not (32,)
+    assert infos["model.embed_tokens.weight"].dtype == "Q8_0" and meta["gguf.tokenizer"] == "present"
+    assert meta["gguf.types"] == "Q4_K:1,F32:1,Q8_0:1"

@@ -390,7 +390,8 @@ def _session(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..models import loading
-    from ..models.gguf import is_gguf
+    from ..models.gguf import is_gguf, tokenizer_note
+    from ..models.headers import read_header
 
     spec = loading.inspect(args.models)
     out = {"variant": spec.variant, "distilled": spec.distilled, "distilled_from": spec.distilled_from,
@@ -404,6 +405,8 @@ def _inspect(args: argparse.Namespace) -> int:
             "bytes": c.nbytes("bf16"), "dtype_mix": dict(c.dtype_mix), "quantized_layers": c.quant_layers}
         if c is not None and any(is_gguf(f) for f in c.files):  # GGUF: its tensors by stored type (the quant mix)
             out[kind]["gguf_types"] = dict(Counter(i.dtype for i in c.infos.values()).most_common())
+            if kind == "text_encoder" and spec.tokenizer is None:
+                out[kind]["tokenizer"] = tokenizer_note(c.files[0], read_header(c.files[0])[1])
     print(json.dumps(out, indent=1))
     return 0
 

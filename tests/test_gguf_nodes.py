@@ -18,8 +18,8 @@ from helpers import save
 from PIL import Image
 from safetensors.torch import load_file
 from test_engine import core_text_to_image, folders_for
-from vramgraph.graph.errors import ValidationFailed
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.workflow.errors import ValidationFailed
+from vramgraph.graph.engine.executor import Engine
 from vramgraph.models import loading
 from vramgraph.models.tiny import write_tiny_models
 
@@ -132,8 +132,8 @@ def test_blocks_stream_at_their_stored_bytes_and_change_the_plan(tmp_path, input
     """A 10-block tiny transformer: 44 MiB in fp32 (the CPU's compute dtype), 6 MiB as Q4_0 blocks. With 45 MiB the
     fp32 file must stream while the GGUF one stays resident; with 30 MiB the fp32 file cannot run at all and the GGUF
     one streams its blocks at their stored bytes, giving the picture the roomy engine gives, bit for bit."""
-    from vramgraph.graph.budget import Budget
-    from vramgraph.graph.planner import PlanError
+    from vramgraph.graph.engine.budget import Budget
+    from vramgraph.graph.plan.planner import PlanError
     from vramgraph.models.flux2 import Flux2Transformer
     from vramgraph.models.tiny import TINY_TRANSFORMER
 

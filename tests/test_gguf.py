@@ -13,7 +13,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter, quants
-from gguf_files import random_blocks, write_gguf
 from helpers import save
 from test_flux2 import _inputs
 from vramgraph.models import flux2, loading
@@ -22,6 +21,7 @@ from vramgraph.models.flux2 import Flux2Transformer
 from vramgraph.models.gguf import GGUFError
 from vramgraph.models.gguf_dequant import dequantize
 from vramgraph.models.gguf_layers import GGUFEmbedding, GGUFLinear, read_stored
+from vramgraph.models.gguf_write import random_blocks, write_gguf
 from vramgraph.models.headers import CheckpointError, read_header
 from vramgraph.models.qwen3 import Qwen3Encoder
 from vramgraph.models.tiny import TINY_QWEN3, TINY_TRANSFORMER

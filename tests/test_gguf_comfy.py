@@ -16,9 +16,9 @@ import types
 import gguf
 import pytest
 import torch
-from gguf_files import write_gguf
 from safetensors.torch import load_file
 from test_comfy_pack import ROOT, _fake_comfyui, _load_pack
+from vramgraph.models.gguf_write import write_gguf
 from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
 
 # city96/ComfyUI-GGUF nodes.py NODE_CLASS_MAPPINGS and their TITLEs

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_files import write_gguf
 from helpers import save
 from PIL import Image
 from safetensors.torch import load_file
@@ -21,6 +20,7 @@ from test_engine import core_text_to_image, folders_for
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.workflow.errors import ValidationFailed
 from vramgraph.models import loading
+from vramgraph.models.gguf_write import write_gguf
 from vramgraph.models.tiny import write_tiny_models
 
 NAMES = {"transformer": "flux-2-klein-4b.safetensors", "text_encoder": "qwen_3_4b.safetensors",

@@ -180,3 +180,29 @@ def tokenizer_note(path: Path, meta: Mapping[str, str]) -> str:
         return (f"{path.name} has no tokenizer metadata; the Qwen3 tokenizer shipped with vramgraph is used "
                 "(or a tokenizer.json beside the model)")
     return f"{path.name}: the Qwen3 tokenizer shipped with vramgraph is used (the file's copy is not read)"
+
+
+def type_from_name(name: str) -> str | None:
+    """The stored type a GGUF file name announces ('flux-2-klein-9b-Q4_K_M.gguf' -> 'Q4_K'), None if none: how a
+    plan made without the file sizes it (models/ planning from built-in specs)."""
+    m = re.search(r"(?i)(?:^|[-_.])(q[2-8]_(?:0|1|k)|bf16|f16|f32)(?:_[sml])?\.gguf$", name)
+    if m is None:
+        return None
+    kind = m[1].upper()
+    return kind if kind in SUPPORTED else None
+
+
+def builtin_bytes(shapes: Mapping[str, tuple[int, ...]], kind: str, itemsize: int) -> int:
+    """Bytes of a model of these parameter shapes stored as `kind` once loaded: 2-d weights whose rows are whole
+    blocks as `kind` blocks (F16/BF16/F32 weights at the compute `itemsize`), everything else at `itemsize` (as
+    llama.cpp falls back and as norms are cast). Llama.cpp's _M/_S mixes give some tensors a larger type; this
+    counts the named one."""
+    block = GGML_BLOCKS.get(kind)
+    total = 0
+    for shape in shapes.values():
+        n = _prod(shape)
+        if block is not None and len(shape) == 2 and shape[-1] % block[0] == 0:
+            total += n // block[0] * block[1]
+        else:
+            total += n * itemsize
+    return total

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..models import flux2_config, loading, qwen3_config, vae_config
 from ..models.dtypes import itemsize
-from ..models.gguf import GGUFError
+from ..models.gguf import GGUFError, builtin_bytes, type_from_name
 from ..models.headers import CheckpointError
 from ..models.quant import QuantError
 from .files import Folders, identity
@@ -43,6 +43,15 @@ def builtin_params(kind: str, config: Any) -> int:
     """Parameters of a model built from `config` (what loading it puts on the GPU), counted without building it."""
     family = {"transformer": flux2_config, "text_encoder": qwen3_config, "vae": vae_config}[kind]
     return sum(math.prod(s) for s in family.parameter_shapes(config).values())
+
+
+def builtin_nbytes(kind: str, config: Any, name: str, dtype: str) -> int:
+    """What a built-in spec puts on the GPU in `dtype`; a GGUF name's quantization counted (models/gguf.py)."""
+    stored = type_from_name(name) if kind != "vae" else None
+    if stored is None:
+        return builtin_params(kind, config) * itemsize(dtype)
+    family = flux2_config if kind == "transformer" else qwen3_config
+    return builtin_bytes(family.parameter_shapes(config), stored, itemsize(dtype))
 
 
 _REFUSALS: dict[tuple[str, str], str | None] = {}  # (path, identity) -> header_refusal's answer
@@ -133,7 +142,7 @@ class ModelCatalog:
             key = ("builtin", kind, name)
             with self._lock:
                 if key not in self._cache:
-                    self._cache[key] = builtin_params(kind, config) * itemsize(self.dtype)
+                    self._cache[key] = builtin_nbytes(kind, config, name, self.dtype)
                 # one info per name, as a file's (info_at): the estimates are worked out once per info
                 # (nodes/estimates.py `_per_model`), not again for every prompt planned
                 info = ("builtin info", kind, name, self.dtype)

@@ -169,3 +169,23 @@ def test_blocks_stream_at_their_stored_bytes_and_change_the_plan(tmp_path, input
     assert step.blocks.streamed and step.blocks.streamed_bytes == sum(sizes[i] for i in step.blocks.streamed)
     want = engine(None, "e").run(graph("deep-Q4_0.gguf"))
     assert np.array_equal(_pixels(got.images), _pixels(want.images))
+
+
+def test_plans_without_files_size_gguf_names_by_their_type(tmp_path):
+    """`vramgraph plan` without the files (built-in specs by name): a Q4_K_M klein-9B is planned at its block bytes,
+    about 1/3.5 of bf16, so its blocks stream far less; names without a type we run fall back to bf16 sizes."""
+    from vramgraph.models.flux2_config import KLEIN_9B, parameter_shapes
+    from vramgraph.models.gguf import builtin_bytes, type_from_name
+    from vramgraph.nodes.catalog import ModelCatalog
+    from vramgraph.nodes.files import Folders
+
+    assert [type_from_name(n) for n in ("flux-2-klein-9b-Q4_K_M.gguf", "qwen3-4b-q8_0.gguf", "x-Q5_K_S.gguf",
+                                        "x-BF16.gguf", "x-IQ4_XS.gguf", "x.gguf", "x-Q4_K.safetensors")] == \
+        ["Q4_K", "Q8_0", "Q5_K", "BF16", None, None, None]
+    catalog = ModelCatalog(Folders(models=(tmp_path,)), dtype="bf16", allow_builtin=True)
+    q4 = catalog.model_info("transformer", "flux-2-klein-9b-Q4_K_M.gguf")
+    bf = catalog.model_info("transformer", "flux-2-klein-9b.safetensors")
+    shapes = parameter_shapes(KLEIN_9B)
+    assert q4.nbytes == builtin_bytes(shapes, "Q4_K", 2)
+    assert 3.4 < bf.nbytes / q4.nbytes < 3.6
+    assert catalog.model_info("transformer", "flux-2-klein-9b-IQ4_XS.gguf").nbytes == bf.nbytes

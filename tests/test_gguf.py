@@ -83,7 +83,7 @@ def _run_transformer(model):
         return model(img, ctx, torch.tensor([0.9, 0.35]), rope, n)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_1", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_transformer_runs_on_its_blocks_as_on_the_dequantized_weights(tmp_path, kind):
     sd = _transformer_sd()
     held = write_gguf(tmp_path / "diffusion_models" / f"flux-2-klein-4b-{kind}.gguf", sd, kind)

@@ -23,20 +23,22 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).to(torch.float32)
 
 
-def _shifts(values: list[int], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
+def _shifts(step: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Bit shifts 0, step, 2 * step, ... below 8, shaped to broadcast; made on `device` (a tensor built from a list
+    would be a host-to-device copy, which waits for the GPU's queue, in every layer's call)."""
+    return torch.arange(0, 8, step, dtype=torch.uint8, device=device).reshape(shape)
 
 
 def _nibbles(qs: torch.Tensor, groups: int, width: int) -> torch.Tensor:
     """(n, groups * width) bytes -> (n, groups, 2, width) 4-bit values: each group's low nibbles, then its high."""
     n = qs.shape[0]
-    return (qs.reshape(n, groups, 1, width) >> _shifts([0, 4], (1, 1, 2, 1), qs.device)) & 0x0F
+    return (qs.reshape(n, groups, 1, width) >> _shifts(4, (1, 1, 2, 1), qs.device)) & 0x0F
 
 
 def _bits(qh: torch.Tensor) -> torch.Tensor:
     """(n, k) bytes -> (n, 8 * k) bits, bit i of byte j at 8 * j + i (a little-endian bit field)."""
     n = qh.shape[0]
-    return ((qh.reshape(n, -1, 1) >> _shifts(list(range(8)), (1, 1, 8), qh.device)) & 1).reshape(n, -1)
+    return ((qh.reshape(n, -1, 1) >> _shifts(1, (1, 1, 8), qh.device)) & 1).reshape(n, -1)
 
 
 def q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -72,19 +74,19 @@ def q2_k(b: torch.Tensor) -> torch.Tensor:
     scales, qs = b[:, :16], b[:, 16:80]
     dl = (_f16(b[:, 80:82]) * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (_f16(b[:, 82:84]) * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
-    q = (qs.reshape(n, 2, 1, 32) >> _shifts([0, 2, 4, 6], (1, 1, 4, 1), b.device)) & 3
+    q = (qs.reshape(n, 2, 1, 32) >> _shifts(2, (1, 1, 4, 1), b.device)) & 3
     return (dl * q.reshape(n, 16, 16).to(torch.float32) - ml).reshape(n, 256)
 
 
 def q3_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
-    low = (scales[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], (1, 2, 1), b.device)).reshape(n, 16)
-    high = (scales[:, 8:].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], (1, 4, 1), b.device)).reshape(n, 16)
+    low = (scales[:, :8].reshape(n, 1, 8) >> _shifts(4, (1, 2, 1), b.device)).reshape(n, 16)
+    high = (scales[:, 8:].reshape(n, 1, 4) >> _shifts(2, (1, 4, 1), b.device)).reshape(n, 16)
     sc = ((low & 0x0F) | ((high & 3) << 4)).to(torch.int8) - 32
     dl = (_f16(b[:, 108:110]) * sc.to(torch.float32)).reshape(n, 16, 1)
-    ql = ((qs.reshape(n, 2, 1, 32) >> _shifts([0, 2, 4, 6], (1, 1, 4, 1), b.device)) & 3).reshape(n, 16, 16)
-    qh = ((hmask.reshape(n, 1, 1, 32) >> _shifts(list(range(8)), (1, 1, 8, 1), b.device)) & 1).reshape(n, 16, 16)
+    ql = ((qs.reshape(n, 2, 1, 32) >> _shifts(2, (1, 1, 4, 1), b.device)) & 3).reshape(n, 16, 16)
+    qh = ((hmask.reshape(n, 1, 1, 32) >> _shifts(1, (1, 1, 8, 1), b.device)) & 1).reshape(n, 16, 16)
     q = ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8)  # a set high bit means no offset
     return (dl * q.to(torch.float32)).reshape(n, 256)
 
@@ -113,14 +115,14 @@ def q4_k(b: torch.Tensor) -> torch.Tensor:
 def q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     ql = _nibbles(b[:, 48:], 4, 32).reshape(n, 8, 32)
-    qh = ((b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(list(range(8)), (1, 1, 8, 1), b.device)) & 1)
+    qh = ((b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(1, (1, 1, 8, 1), b.device)) & 1)
     return _k_affine(b, ql | (qh.reshape(n, 8, 32) << 4))
 
 
 def q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     ql = _nibbles(b[:, :128], 2, 64).reshape(n, 8, 32)
-    qh = ((b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts([0, 2, 4, 6], (1, 1, 4, 1), b.device)) & 3)
+    qh = ((b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts(2, (1, 1, 4, 1), b.device)) & 3)
     q = ((ql | (qh.reshape(n, 8, 32) << 4)).to(torch.int8) - 32).reshape(n, 16, 16)
     d = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)).reshape(n, 16, 1)
     return (d * q.to(torch.float32)).reshape(n, 256)

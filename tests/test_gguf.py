@@ -240,3 +240,19 @@ def test_header_walk_matches_gguf_reader(tmp_path):
     assert infos["model.layers.1.input_layernorm.weight"].shape == (8, 4)  # the orig_shape, not (32,)
     assert infos["model.embed_tokens.weight"].dtype == "Q8_0" and meta["gguf.tokenizer"] == "present"
     assert meta["gguf.types"] == "Q4_K:1,F32:1,Q8_0:1"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", TYPES)
+def test_cuda_dequantization_equals_gguf_numpy(tmp_path, kind):
+    """On the GPU, where the runtime dequantizes: the same bits as the `gguf` package's numpy code."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    path = _one_tensor_file(tmp_path / f"{kind}.gguf", kind, rows=64, cols=1024)
+    info = read_header(path)[0]["w.weight"]
+    (t,) = GGUFReader(path).tensors
+    want = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).reshape(64, 1024).astype(np.float32))
+    raw = read_stored(info).to("cuda")
+    assert torch.equal(dequantize(raw, kind, info.shape).cpu(), want)
+    assert torch.equal(dequantize(raw, kind, info.shape, torch.bfloat16, chunk_elements=4096).cpu(),
+                       want.to(torch.bfloat16))

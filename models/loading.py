@@ -98,7 +98,7 @@ class ComponentSpec:
     quant_blocks: tuple[tuple[str, int, int], ...] = ()
     dtype_mix: tuple[tuple[str, int], ...] = ()  # (stored dtype, bytes) of the tensors that get loaded
     quant_layers: int = 0  # how many layers are quantised (fp8)
-    quant_largest: int = 0  # elements of the largest quantised layer (dequantized just in time: a transient)
+    quant_largest: int = 0  # elements of the largest quantised linear (dequantized just in time: a transient)
 
     @property
     def params(self) -> int:
@@ -166,7 +166,8 @@ def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
     else:
         cfg = vae_config.config_from_checkpoint(infos)
         src = vae_config.sources(cfg, infos.keys())
-    quantized = check_weights(src, infos, quant_layers(infos), _quantizable(kind, cfg))
+    how = _quantizable(kind, cfg)
+    quantized = check_weights(src, infos, quant_layers(infos), how)
     blocks: dict[str, int] = {}
     quant: dict[str, tuple[int, int]] = {}
     for name, s in src.items():
@@ -192,7 +193,9 @@ def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
                          tuple(blocks.items()), sum(by_dtype.values()), infos,
                          tuple((b, n, nb) for b, (n, nb) in quant.items()),
                          tuple(sorted(mix.items(), key=lambda kv: -kv[1])), len(quantized),
-                         max((math.prod(infos[q.weight].shape) for q in quantized.values()), default=0))
+                         # an embedding table dequantizes only the rows it looks up: the linears' largest counts
+                         max((math.prod(infos[q.weight].shape) for n, q in quantized.items() if how[n] == "linear"),
+                             default=0))
 
 
 def _candidates(files: Iterable[Path]) -> list[tuple[str, list[Path]]]:

@@ -256,3 +256,14 @@ def test_cuda_dequantization_equals_gguf_numpy(tmp_path, kind):
     assert torch.equal(dequantize(raw, kind, info.shape).cpu(), want)
     assert torch.equal(dequantize(raw, kind, info.shape, torch.bfloat16, chunk_elements=4096).cpu(),
                        want.to(torch.bfloat16))
+
+
+def test_transient_counts_the_largest_linear_not_the_embedding_table(tmp_path):
+    """The text encoder's quantized embedding table dequantizes only the rows a prompt looks up, so the estimate's
+    just-in-time transient is its largest linear's, not the 151,936-row table's."""
+    sd = _encoder_sd(TINY_QWEN3)
+    path = tmp_path / "te-Q8_0.gguf"
+    write_gguf(path, sd, "Q8_0", arch="qwen3", llama_names=True)
+    te = loading.inspect(path).text_encoder
+    linears = [v.numel() for k, v in sd.items() if v.ndim == 2 and "embed_tokens" not in k]
+    assert te.quant_largest == max(linears) < sd["model.embed_tokens.weight"].numel()

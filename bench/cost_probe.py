@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from vramgraph.graph.engine import costs
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from vramgraph.models import common, loading
 
 PHASES = ("_arena", "_read_spans", "pin_pages", "_host_weights", "_device_weights")

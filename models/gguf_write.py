@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
-
-import gguf
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from vramgraph.models.vae_config import VAEConfig
 from vramgraph.nodes import calibration, estimates
 from vramgraph.nodes.types import LatentInfo, ModelInfo

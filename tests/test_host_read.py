@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import save
 from refmodels import diffusers_transformer, transformer_to_bfl
+
 from vramgraph.models import common, flux2
 from vramgraph.models.headers import CheckpointError, read_header, read_headers, strip_prefix
 

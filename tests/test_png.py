@@ -7,6 +7,7 @@ import io
 import numpy as np
 import pytest
 from PIL import Image
+
 from vramgraph.nodes import png
 
 

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from vramgraph.models import samplers, schedules
 
 SHIFT = 2.02

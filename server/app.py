@@ -46,10 +46,14 @@ from aiohttp import web
 from .bodies import refusals
 from .compat import Compat
 from .formats import MAX_UPLOAD_SIZE
+from .frontend import FrontEnd
 from .hub import Hub
+from .modellib import ModelLibrary
 from .queue import PromptQueue, Worker
 from .routes import Routes, plan_response
 from .security import middlewares
+from .templates import Templates
+from .userdata import UserData
 
 log = logging.getLogger("vramgraph.server")
 ROOT = Path(__file__).parent.parent
@@ -95,13 +99,10 @@ def _comfy_device() -> Any:
 ROUTES = web.AppKey("vramgraph", Routes)  # app[ROUTES]: the queue, worker and hub behind an app
 
 
-async def _index(request: web.Request) -> web.StreamResponse:
-    return web.FileResponse(WEB / "index.html", headers={"Cache-Control": "no-cache"})
-
-
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
              batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None,
-             cors: str | None = None, broker: str | None = None, frontend_id: str | None = None) -> web.Application:
+             cors: str | None = None, broker: str | None = None, frontend_id: str | None = None,
+             front_end: Path | None = None) -> web.Application:
     """The aiohttp application over `engine` (a graph.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -110,10 +111,11 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     `preview_method` other than "none", or for every prompt with `previews` (ComfyUI sends none by default,
     and some clients take any binary frame for a result). The worker thread starts and stops with the app.
     `plugins` are Python files or module names whose `setup(app, engine)` adds routes (bench/ has one).
-    `user_dir` is where ComfyUI's front end finds settings and user files, read-only (see server/compat.py).
+    `user_dir` is where ComfyUI's front end keeps settings and user files (userdata.py; None: read-only, none).
     `cors` is ComfyUI's --enable-cors-header: an origin (or "*") every answer allows, in place of the default
     origin checks (security.py). `broker` (an AMQP URL) makes the app a frontend (broker.py): prompts are planned
-    here for the engine's budget (the reference card) and published; workers run them.
+    here for the engine's budget (the reference card) and published; workers run them. `front_end` is the folder of
+    the front end served at `/` (frontend.front_end_root; None: our page, which is at /vramgraph/ either way).
     """
     from ..graph.executor import Engine
 
@@ -131,13 +133,16 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
         routes = Routes(engine, queue, hub, worker, planner)
     app = web.Application(client_max_size=MAX_UPLOAD_SIZE, middlewares=[*middlewares(cors), refusals])
     app[ROUTES] = routes
-    for method, path, handler in [*routes.table(), *Compat(routes, user_dir).table()]:
+    front, user, templates = FrontEnd(front_end, hub, engine.folders), UserData(user_dir), Templates(engine.nodes)
+    user.prepare()
+    for method, path, handler in [*routes.table(), *Compat(routes).table(), *user.table(), *front.table(),
+                                  *templates.table(), *ModelLibrary(engine.folders).table()]:
         app.router.add_route(method, path, handler)
         app.router.add_route(method, "/api" + path, handler)
-    app.router.add_get("/", _index)
-    app.router.add_static("/web/", WEB, show_index=False, follow_symlinks=False)
     for plugin in plugins:
         load_plugin(plugin)(app, engine)
+    templates.add_to(app)
+    front.add_to(app)  # last: the front end's static folder is served at `/`
 
     async def started(app: web.Application) -> None:
         hub.start()

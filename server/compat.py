@@ -5,13 +5,9 @@
     GET /jobs, /jobs/{job_id}     ComfyUI's unified job list (queue and history), under /api/jobs too
     POST /upload/mask             a mask's alpha applied to an image already in input/output/temp
     GET /view_metadata/{folder}   a model file's safetensors `__metadata__`
-    GET /settings, /settings/{id}, /userdata, /userdata/{file}, /users   read-only, see below
 
-User data is read-only: with `user_dir` (make_app's argument) the settings and files come from ComfyUI's layout
-under it (`<user_dir>/default/comfy.settings.json`, `<user_dir>/default/workflows/...`); without one there are
-no settings (`{}`) and no files (404). Every write (POST /settings, POST/DELETE /userdata/..., POST /users) is
-refused with 405 and ComfyUI's error shape, naming what to do instead. Nothing here writes outside the
-input, output and temp folders.
+Settings and user files are in userdata.py, the front end's other routes in frontend.py and templates.py.
+Nothing here writes outside the input, output and temp folders.
 """
 
 from __future__ import annotations
@@ -32,30 +28,19 @@ from . import formats
 from .routes import Routes, _inside, _json_error
 
 log = logging.getLogger("vramgraph.server")
-USER = "default"  # ComfyUI's single user when it runs without --multi-user
-SETTINGS_FILE = "comfy.settings.json"
-READ_ONLY = ("this server keeps no user data: settings and user files are read-only here; keep them in the "
-             "browser, or run ComfyUI itself to store them")
 
 
 class Compat:
     """ComfyUI's further routes (see the module doc) over the same engine, queue and worker as `routes`."""
 
-    def __init__(self, routes: Routes, user_dir: Path | None = None) -> None:
+    def __init__(self, routes: Routes) -> None:
         self.routes, self.engine, self.queue = routes, routes.engine, routes.queue
-        self.user = None if user_dir is None else Path(user_dir) / USER
 
     def table(self) -> list[tuple[str, str, Callable]]:
         return [("GET", "/features", self.features), ("GET", "/models", self.models),
                 ("GET", "/models/{folder}", self.models_in), ("GET", "/jobs", self.jobs),
                 ("GET", "/jobs/{job_id}", self.job), ("POST", "/upload/mask", self.upload_mask),
-                ("GET", "/view_metadata/{folder}", self.view_metadata),
-                ("GET", "/settings", self.settings), ("GET", "/settings/{id}", self.setting),
-                ("POST", "/settings", self.read_only), ("POST", "/settings/{id}", self.read_only),
-                ("GET", "/userdata", self.userdata), ("GET", "/userdata/{file}", self.userdata_file),
-                ("POST", "/userdata/{file}", self.read_only), ("DELETE", "/userdata/{file}", self.read_only),
-                ("POST", "/userdata/{file}/move/{dest}", self.read_only),
-                ("GET", "/users", self.users), ("POST", "/users", self.read_only)]
+                ("GET", "/view_metadata/{folder}", self.view_metadata)]
 
     # -- /features, /models, /view_metadata
     async def features(self, request: web.Request) -> web.Response:
@@ -204,68 +189,6 @@ class Compat:
         except (OSError, ValueError, SyntaxError) as e:  # not an image (PIL's UnidentifiedImageError is an OSError)
             return _json_error(400, f"cannot apply the mask: {e}")
         return web.json_response({"name": path.name, "subfolder": subfolder, "type": kind})
-
-    # -- settings, user data (read-only)
-    def _settings(self) -> dict:
-        path = None if self.user is None else self.user / SETTINGS_FILE
-        if path is None or not path.is_file():
-            return {}
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            log.warning("the user settings file %s is not JSON; answering none", path)
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    async def settings(self, request: web.Request) -> web.Response:
-        return web.json_response(self._settings())
-
-    async def setting(self, request: web.Request) -> web.Response:
-        return web.json_response(self._settings().get(request.match_info["id"]))
-
-    async def read_only(self, request: web.Request) -> web.Response:
-        response = _json_error(405, READ_ONLY, "read_only", route=request.path)
-        response.headers["Allow"] = "GET"
-        return response
-
-    async def users(self, request: web.Request) -> web.Response:
-        return web.json_response({"storage": "server", "migrated": True})
-
-    async def userdata(self, request: web.Request) -> web.Response:
-        """ComfyUI's GET /userdata?dir=...&recurse=&full_info=&split=: the files of a user folder."""
-        q = request.rel_url.query
-        directory = q.get("dir", "")
-        if not directory:
-            return web.Response(status=400, text="Directory not provided")
-        path = None if self.user is None else _inside(self.user, directory)
-        if self.user is not None and path is None:
-            return web.Response(status=403, text="Invalid directory")
-        if path is None or not path.is_dir():
-            return web.Response(status=404, text="Directory not found")
-        recurse, full, split = (q.get(k, "").lower() == "true" for k in ("recurse", "full_info", "split"))
-        base = self.user.resolve()
-        out: list[Any] = []
-        for f in sorted(path.rglob("*") if recurse else path.glob("*")):
-            real = f.resolve()
-            if not f.is_file() or not real.is_relative_to(base):  # links leading out are not listed
-                continue
-            rel = f.relative_to(path).as_posix()
-            if full:
-                st = f.stat()
-                out.append({"path": rel, "size": st.st_size, "modified": st.st_mtime, "created": st.st_ctime})
-            else:
-                out.append([rel, *rel.split("/")] if split else rel)
-        return web.json_response(out)
-
-    async def userdata_file(self, request: web.Request) -> web.StreamResponse:
-        name = request.match_info["file"]
-        path = None if self.user is None or "\0" in name else _inside(self.user, name)
-        if self.user is not None and path is None:
-            return web.Response(status=403)
-        if path is None or not path.is_file():
-            return web.Response(status=404)
-        return web.FileResponse(path, headers={"X-Content-Type-Options": "nosniff",
-                                               "Content-Disposition": f'attachment; filename="{path.name}"'})
 
 
 def _original(routes: Routes, raw: Any) -> Path | None:

@@ -79,7 +79,7 @@ class Routes:
                 ("GET", "/object_info", self.object_info), ("GET", "/object_info/{node_class}", self.object_info_one),
                 ("POST", "/upload/image", self.upload_image), ("POST", "/interrupt", self.interrupt),
                 ("POST", "/free", self.free), ("GET", "/system_stats", self.system_stats),
-                ("GET", "/embeddings", self.embeddings), ("GET", "/extensions", self.embeddings),
+                ("GET", "/embeddings", self.embeddings),
                 ("POST", "/vramgraph/plan", self.plan), ("POST", "/vramgraph/convert", self.convert),
                 ("POST", "/vramgraph/ui", self.to_ui), ("GET", "/vramgraph/workflows", self.workflows),
                 ("GET", "/vramgraph/workflows/{name}", self.workflow)]

@@ -46,7 +46,7 @@ from aiohttp import web
 from .bodies import refusals
 from .compat import Compat
 from .formats import MAX_UPLOAD_SIZE
-from .frontend import FrontEnd
+from .frontend import FrontEnd, front_end_root
 from .hub import Hub
 from .modellib import ModelLibrary
 from .queue import PromptQueue, Worker
@@ -224,6 +224,20 @@ class ServerThread:
         self.stop()
 
 
+def _front_end_and_user_dir(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """The front end's folder (frontend.front_end_root) and the user folder, from the options or the config's keys
+    front_end and user_dir; with ComfyUI's front end and no user folder given, ./user (ComfyUI's layout)."""
+    from ..graph.runtime import read_config, settings_of
+
+    config = read_config(settings_of(args))
+    name = getattr(args, "front_end", None) or config.get("front_end")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"config front_end: give comfyui, vramgraph or a folder, not {name!r}")
+    root = front_end_root(name)
+    user = getattr(args, "user_dir", None) or config.get("user_dir") or ("user" if root is not None else None)
+    return root, Path(user).expanduser() if user else None
+
+
 def serve(args: argparse.Namespace) -> int:
     """`vramgraph serve`: the engine from the command line's options (--demo already applied to them), served
     until Ctrl-C. It says where it listens only once the socket is bound; a busy port is a ValueError."""
@@ -237,13 +251,13 @@ def serve(args: argparse.Namespace) -> int:
         check_url(url)
     elif getattr(args, "work", False):
         raise ValueError("--work runs a fleet worker beside the frontend: give --broker amqp://... too")
+    front_end, user_dir = _front_end_and_user_dir(args)  # a missing front end is refused before models load
     engine = engine_from(args)
     for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
         folder.mkdir(parents=True, exist_ok=True)
     engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
     app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()),
-                   cors=getattr(args, "enable_cors_header", None),
-                   user_dir=Path(args.user_dir).expanduser() if getattr(args, "user_dir", None) else None,
+                   cors=getattr(args, "enable_cors_header", None), user_dir=user_dir, front_end=front_end,
                    broker=url,
                    frontend_id=(getattr(args, "frontend_id", None) or frontend_id(args.port)) if url else None)
     if url and getattr(args, "work", False):  # one process, both: a fleet worker on the same engine
@@ -265,6 +279,8 @@ def serve(args: argparse.Namespace) -> int:
         port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
         log.info("vramgraph serve on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", args.host, port,
                  engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
+        if front_end is not None:
+            log.info("front end: %s (our page: /vramgraph/; user folder %s)", front_end, user_dir)
         try:
             await asyncio.Event().wait()
         finally:

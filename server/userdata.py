@@ -177,7 +177,7 @@ class UserData:
 
     def _save_settings(self, settings: dict) -> None:
         data = json.dumps(settings, indent=4, allow_nan=False).encode()
-        if len(data) > MAX_FILE_BYTES:
+        if len(data) > MAX_FILE_BYTES:  # read at call time: tests lower it
             raise BadRequest("the settings are too large", f"at most {MAX_FILE_BYTES // 2**20} MiB in all",
                              status=413)
         write_atomic(self._write_path(SETTINGS_FILE), data)
@@ -292,8 +292,10 @@ class UserData:
                                            "supported)"}, status=400)
 
 
-async def read_capped(request: web.Request, cap: int = MAX_FILE_BYTES) -> bytes:
-    """The request's body, refused 413 beyond `cap` bytes (before reading it when its length is announced)."""
+async def read_capped(request: web.Request, cap: int | None = None) -> bytes:
+    """The request's body, refused 413 beyond `cap` bytes (default MAX_FILE_BYTES; before reading it when its length
+    is announced)."""
+    cap = MAX_FILE_BYTES if cap is None else cap
     too_big = BadRequest("the body is too large", f"user files and settings are at most {cap // 2**20} MiB",
                          "too_large", status=413)
     if request.content_length is not None and request.content_length > cap:

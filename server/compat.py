@@ -3,6 +3,7 @@
     GET /features                 our feature flags (also the websocket's answer to the client's `feature_flags`)
     GET /models, /models/{folder} the model folders we read, and the files in one
     GET /jobs, /jobs/{job_id}     ComfyUI's unified job list (queue and history), under /api/jobs too
+    POST /jobs/{job_id}/cancel, /jobs/cancel   cancel a pending job (it leaves the queue) or a running one
     POST /upload/mask             a mask's alpha applied to an image already in input/output/temp
     GET /view_metadata/{folder}   a model file's safetensors `__metadata__`
 
@@ -25,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from . import formats
+from .bodies import id_list, read_object, sane_id
 from .routes import Routes, _inside, _json_error
 
 log = logging.getLogger("vramgraph.server")
@@ -39,7 +41,8 @@ class Compat:
     def table(self) -> list[tuple[str, str, Callable]]:
         return [("GET", "/features", self.features), ("GET", "/models", self.models),
                 ("GET", "/models/{folder}", self.models_in), ("GET", "/jobs", self.jobs),
-                ("GET", "/jobs/{job_id}", self.job), ("POST", "/upload/mask", self.upload_mask),
+                ("GET", "/jobs/{job_id}", self.job), ("POST", "/jobs/{job_id}/cancel", self.cancel_job),
+                ("POST", "/jobs/cancel", self.cancel_jobs), ("POST", "/upload/mask", self.upload_mask),
                 ("GET", "/view_metadata/{folder}", self.view_metadata)]
 
     # -- /features, /models, /view_metadata
@@ -134,6 +137,37 @@ class Compat:
                     job = {**formats.queued_job(item, status), "workflow": {"prompt": item[2], "extra_data": item[3]}}
                     return web.json_response(job, dumps=_dumps)
         return web.json_response({"error": "Job not found"}, status=404)
+
+    def _cancel(self, pid: str) -> str:
+        """Cancel job `pid`: a pending one leaves the queue, a running one is interrupted (that prompt alone).
+        "cancelled", "finished" (too late) or "not_found"."""
+        if self.queue.delete(pid):
+            self.routes.hub.send("status", {"status": self.routes.worker.status()})
+            return "cancelled"
+        if self.routes.worker.interrupt(pid):
+            return "cancelled"
+        return "finished" if pid in self.queue.get_history(pid) else "not_found"
+
+    async def cancel_job(self, request: web.Request) -> web.Response:
+        """The front end's POST /api/jobs/{id}/cancel (its queue panel's cancel)."""
+        pid = sane_id(request.match_info["job_id"], "job_id")
+        outcome = self._cancel(pid)
+        if outcome == "not_found":
+            return _json_error(404, "no such job", "not_found", details=f"{pid[:80]!r} is not queued, running or in "
+                               "the history; GET /api/jobs lists them")
+        if outcome == "finished":
+            return _json_error(409, "the job has finished", "job_finished", details=f"{pid[:80]!r} ran to its end "
+                               "before it could be cancelled")
+        return web.json_response({"id": pid, "status": "cancelled"})
+
+    async def cancel_jobs(self, request: web.Request) -> web.Response:
+        """POST /api/jobs/cancel {"job_ids": [...]}: each cancelled as above; the answer says what became of each."""
+        body = await read_object(request)
+        ids = id_list(body.get("job_ids"), "job_ids")
+        outcomes = {pid: self._cancel(pid) for pid in ids}
+        return web.json_response({"cancelled": [p for p, o in outcomes.items() if o == "cancelled"],
+                                  "finished": [p for p, o in outcomes.items() if o == "finished"],
+                                  "not_found": [p for p, o in outcomes.items() if o == "not_found"]})
 
     # -- /upload/mask
     async def upload_mask(self, request: web.Request) -> web.Response:

@@ -40,6 +40,8 @@ WEB = ROOT / "web"
 FRONT_ENDS = ("vramgraph", "comfyui")
 PACKAGE = "comfyui_frontend_package"
 EXTENSION = "vramgraph"  # our folder under /extensions/, as ComfyUI names a custom node pack's web directory
+TESTED_FRONTEND = "1.58.1"  # the comfyui-frontend-package version tests/test_browser.py runs (/system_stats'
+#                             required_frontend_version: an older front end warns that it is outdated)
 LOG_LINES = 1000
 NO_CACHE = {"Cache-Control": "no-cache", "Pragma": "no-cache", "Expires": "0"}
 
@@ -66,18 +68,6 @@ def front_end_root(name: str | None) -> Path | None:
         raise FrontEndMissing(f"--front-end {name}: {root} has no index.html; give 'comfyui' (the installed "
                               f"comfyui-frontend-package), 'vramgraph' (our page) or a folder with a built front end")
     return root.resolve()
-
-
-def frontend_version(root: Path | None) -> str | None:
-    """The installed comfyui-frontend-package's version, when `root` is its folder."""
-    if root is None:
-        return None
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("comfyui-frontend-package") if PACKAGE in root.parts else None
-    except PackageNotFoundError:
-        return None
 
 
 class LogBuffer(logging.Handler):
@@ -206,4 +196,4 @@ class FrontEnd:
                           "in the server's configuration (vramgraph serve --models)")
 
 
-__all__ = ["FRONT_ENDS", "FrontEnd", "FrontEndMissing", "front_end_root", "frontend_version"]
+__all__ = ["FRONT_ENDS", "TESTED_FRONTEND", "FrontEnd", "FrontEndMissing", "front_end_root"]

@@ -68,7 +68,9 @@ class Compat:
         return web.json_response(files)
 
     async def view_metadata(self, request: web.Request) -> web.Response:
-        """A model file's safetensors `__metadata__` (404 when the file, or its metadata, is not there)."""
+        """A model file's safetensors `__metadata__`: `{}` for a file without one (ComfyUI answers 404 there, which
+        the Model Library of its front end asks for every model and shows as a failed request), 404 when the file is
+        not there or not a safetensors file."""
         from ..models.headers import CheckpointError, read_header
 
         folder = self._model_folders().get(request.match_info["folder"])
@@ -83,7 +85,7 @@ class Compat:
                 return None
 
         meta = await asyncio.get_running_loop().run_in_executor(None, metadata)
-        return web.json_response(meta) if meta else web.Response(status=404)
+        return web.json_response(meta) if meta is not None else web.Response(status=404)
 
     # -- /jobs
     async def jobs(self, request: web.Request) -> web.Response:

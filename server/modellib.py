@@ -4,6 +4,9 @@
     GET /experiment/models/{folder}                 [{"name", "pathIndex", "modified", "size"}] its model files
     GET /experiment/models/preview/{folder}/{pathIndex}/{filename}   the image beside a model file (name.png, ...)
 
+A model without an image beside it gets a plain grey tile (ComfyUI answers 404, which the front end's Model Library
+asks for every model it shows and the browser reports as a failed request); a name that is no model file is 404.
+
 `folders` names each place a folder is read from by its name under a models root (`diffusion_models`, `unet`),
 not by its path on the server as ComfyUI does: a browser has no use for the server's paths. `pathIndex` is the
 index in that list. Checkpoints (whole-model folders, `checkpoints`) are listed by folder name.
@@ -18,7 +21,10 @@ from typing import Any
 
 from aiohttp import web
 
+from .templates import THUMBNAIL
+
 PREVIEW_EXTENSIONS = (".webp", ".png", ".jpg", ".jpeg", ".gif")
+MODEL_EXTENSIONS = (".safetensors", ".sft")
 
 
 class ModelLibrary:
@@ -77,6 +83,9 @@ class ModelLibrary:
                 path = candidate.resolve()
                 if path.is_relative_to(root) and path.is_file():
                     return web.FileResponse(path, headers={"X-Content-Type-Options": "nosniff"})
+        model = (root / name).resolve()
+        if model.is_relative_to(root) and any((model.parent / (model.stem + e)).exists() for e in MODEL_EXTENSIONS):
+            return web.Response(body=THUMBNAIL, content_type="image/png")  # a model without a picture: a grey tile
         return web.Response(status=404)
 
 

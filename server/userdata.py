@@ -15,8 +15,9 @@ point anywhere) nor as the target; at most MAX_FILE_BYTES per body; a `.json` fi
 (strict: no NaN). Files are written to a temporary file beside the target and renamed over it, so a reader never
 sees half a file and a failed write leaves the old one. Refusals are 4xx in ComfyUI's error shape.
 
-Two names answer even when absent, so that the front end's start asks for nothing that fails: `user.css` (empty CSS)
-and `comfy.templates.json` (no saved templates, `[]`). The folders `workflows` and `subgraphs` are made on start.
+Three names answer even when absent, so that the front end's start asks for nothing that fails: `user.css` (empty
+CSS), `comfy.templates.json` (no saved templates, `[]`) and `workflows/.index.json` (no bookmarked workflows). The
+folders `workflows` and `subgraphs` are made on start.
 Without a user folder (make_app's user_dir None) settings are `{}`, there are no files and every write is refused
 405, naming the option that keeps them.
 """
@@ -43,7 +44,8 @@ USER = "default"  # ComfyUI's single user when it runs without --multi-user
 SETTINGS_FILE = "comfy.settings.json"
 MAX_FILE_BYTES = 32 * 2**20  # one user file or settings body (a large UI workflow with subgraphs is a few MiB)
 MAX_PATH = 1024
-DEFAULTS = {"user.css": ("text/css", b""), "comfy.templates.json": ("application/json", b"[]")}
+DEFAULTS = {"user.css": ("text/css", b""), "comfy.templates.json": ("application/json", b"[]"),
+            "workflows/.index.json": ("application/json", b'{"favorites": []}')}
 FOLDERS = ("workflows", "subgraphs")
 READ_ONLY = ("this server keeps no user data: start it with --user-dir DIR (or the config key user_dir) to keep "
              "settings and saved workflows under DIR")
@@ -231,7 +233,7 @@ class UserData:
     async def get_file(self, request: web.Request) -> web.StreamResponse:
         raw = request.match_info["file"]
         if self.root is None:
-            return _default(raw) or web.Response(status=404)
+            return _default(clean_relative(raw)) or web.Response(status=404)
         path = self._read_path(raw)
         if not path.is_file():
             return _default(clean_relative(raw)) or web.Response(status=404)

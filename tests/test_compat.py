@@ -159,7 +159,8 @@ def test_models_and_their_files(server):
 def test_view_metadata(server):
     r = get(server.url, "/view_metadata/vae", filename="with_meta.safetensors")
     assert r.status_code == 200 and r.json() == {"modelspec.title": "a tiny vae", "format": "pt"}
-    for folder, name in [("vae", "flux2-vae.safetensors"), ("vae", "broken.safetensors"), ("vae", "nope.safetensors"),
+    assert get(server.url, "/view_metadata/vae", filename="flux2-vae.safetensors").json() == {}  # none in the file
+    for folder, name in [("vae", "broken.safetensors"), ("vae", "nope.safetensors"),
                          ("vae", "../../secret.txt"), ("input", "x.safetensors"), ("vae", "../../models/x.safetensors"),
                          ("vae", "with_meta.ckpt"), ("nope", "with_meta.safetensors")]:
         r = get(server.url, f"/view_metadata/{folder}", filename=name)

@@ -14,8 +14,8 @@ import { api } from "../../scripts/api.js";
 
 const ID = "vramgraph-plan-panel";
 const PREVIEW_EVERY_MS = 1500;
-const S = { live: null, plan: null, svg: null, table: "", current: null, reached: null, lastKey: null,
-  busy: false, subscribedAs: null, timer: null };
+const S = { live: null, runs: 0, plan: null, svg: null, table: "", current: null, reached: null, lastKey: null,
+  busy: false, subscribedAs: null, ours: false, timer: null };
 
 function panel() {
   let p = document.getElementById(ID);
@@ -80,14 +80,21 @@ async function draw() {
   }
 }
 
+/** What the plan of `prompt` depends on, as a string: the prompt without its seeds (a seed set to change after
+ * each run, ComfyUI's "control after generate", changes no plan). */
+function planKey(prompt) {
+  return JSON.stringify(prompt, (k, v) => (k === "seed" || k === "noise_seed" ? undefined : v));
+}
+
 /** The plan of the graph on the canvas (a preview): asked again only when the graph changed, unless `force`. */
 async function preview(force = false) {
   if (S.busy || S.live) return;
   S.busy = true;
+  const runs = S.runs;  // a run that starts while this plans wins: its live plan is shown, not this preview
   try {
     const { output } = await app.graphToPrompt();
-    const key = JSON.stringify(output);
-    if (!force && key === S.lastKey) return;
+    const key = planKey(output);
+    if ((!force && key === S.lastKey) || S.live || S.runs !== runs) return;
     S.lastKey = key;
     part(".vg-kind").textContent = "(preview)";
     if (!Object.keys(output).length) {
@@ -101,7 +108,7 @@ async function preview(force = false) {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ prompt: output }),
     });
     const data = await res.json();
-    if (S.live) return;  // a run started meanwhile: its live plan is shown
+    if (S.live || S.runs !== runs) return;
     if (!res.ok) {
       const e = data.error || {};
       part(".vg-summary").textContent = `no plan: ${e.message || res.status}${e.details ? ` (${e.details})` : ""}`;
@@ -134,7 +141,7 @@ function stepOf(node) {
 
 function onPlan(e) {
   const d = e.detail;
-  S.live = d.prompt_id; S.plan = d.plan; S.svg = d.svg; S.table = ""; S.current = null; S.reached = -1;
+  S.live = d.prompt_id; S.runs += 1; S.plan = d.plan; S.svg = d.svg; S.table = ""; S.current = null; S.reached = -1;
   panel().style.display = "block";
   part(".vg-kind").textContent = `(live: ${String(d.prompt_id).slice(0, 8)})`;
   part(".vg-summary").textContent = describe(d);
@@ -159,8 +166,7 @@ function onEnd(e) {
   part(".vg-kind").textContent = `(${how}: ${String(S.live).slice(0, 8)})`;
   S.current = null;
   S.reached = S.plan ? S.plan.steps.length : null;
-  S.live = null;
-  S.lastKey = null;  // the next change of the graph is planned again
+  S.live = null;  // the picture stays until the graph changes (then the preview of the new graph is shown)
   draw();
 }
 
@@ -172,6 +178,7 @@ async function subscribe() {
   try {
     const features = await (await api.fetchApi("/features")).json();
     if (!features || !features.vramgraph) return;  // inside ComfyUI: no live events
+    S.ours = true;
     await api.fetchApi("/vramgraph/events", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ clientId: id }),
     });
@@ -195,7 +202,8 @@ app.registerExtension({
     for (const end of ["execution_success", "execution_error", "execution_interrupted"]) {
       api.addEventListener(end, onEnd);
     }
-    api.addEventListener("promptQueued", () => { open(); });
+    // queued: on our server the live plan comes as an event; inside ComfyUI the preview of what was queued is shown
+    api.addEventListener("promptQueued", () => { if (S.ours) panel().style.display = "block"; else open(); });
     api.addEventListener("status", () => { subscribe(); });
     subscribe();
   },

@@ -72,7 +72,7 @@ def add_comfy_routes(routes: web.RouteTableDef) -> None:
 
     def planner() -> Any:
         if not made:  # on the first plan, when ComfyUI has loaded its nodes and every pack's
-            from ..graph.executor import Engine
+            from ..graph.engine.executor import Engine
             from ..nodes import ENGINE_NODES
             from ..nodes.comfy import comfy_folders
             from ..nodes.foreign import comfy_stand_ins
@@ -103,7 +103,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
              batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None,
              cors: str | None = None, broker: str | None = None, frontend_id: str | None = None,
              front_end: Path | None = None) -> web.Application:
-    """The aiohttp application over `engine` (a graph.executor.Engine).
+    """The aiohttp application over `engine` (a graph.engine.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
     second Engine on the same folders and budget that may plan with built-in model sizes when files are
@@ -117,7 +117,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     here for the engine's budget (the reference card) and published; workers run them. `front_end` is the folder of
     the front end served at `/` (frontend.front_end_root; None: our page, which is at /vramgraph/ either way).
     """
-    from ..graph.executor import Engine
+    from ..graph.engine.executor import Engine
 
     mimetypes.add_type("text/javascript", ".mjs")
     planner = planner or Engine(engine.folders, device=str(engine.device), dtype=engine.dtype, budget=engine.budget,
@@ -227,7 +227,7 @@ class ServerThread:
 def _front_end_and_user_dir(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     """The front end's folder (frontend.front_end_root) and the user folder, from the options or the config's keys
     front_end and user_dir; with ComfyUI's front end and no user folder given, ./user (ComfyUI's layout)."""
-    from ..graph.runtime import read_config, settings_of
+    from ..graph.engine.runtime import read_config, settings_of
 
     config = read_config(settings_of(args))
     name = getattr(args, "front_end", None) or config.get("front_end")
@@ -241,7 +241,7 @@ def _front_end_and_user_dir(args: argparse.Namespace) -> tuple[Path | None, Path
 def serve(args: argparse.Namespace) -> int:
     """`vramgraph serve`: the engine from the command line's options (--demo already applied to them), served
     until Ctrl-C. It says where it listens only once the socket is bound; a busy port is a ValueError."""
-    from ..graph.runtime import engine_from
+    from ..graph.engine.runtime import engine_from
 
     url = getattr(args, "broker", None)
     if url:  # a frontend: the AMQP client and a usable URL, checked before anything is loaded

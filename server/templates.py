@@ -98,7 +98,7 @@ class Templates:
         if pack != PACK or stem not in self.ours() or not name.endswith(".json"):
             return json_error(404, f"no template {pack[:60]}/{name[:100]}", "not_found",
                               details=f"GET /workflow_templates lists them; this server ships {PACK}'s only")
-        from ..graph.workflow import load_workflow
+        from ..graph.workflow.parse import load_workflow
         from .formats import api_to_ui
 
         def ui() -> dict:

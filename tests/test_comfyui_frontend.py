@@ -51,7 +51,7 @@ def _find(names: tuple[str, ...]) -> str | None:
 def server(tmp_path_factory):
     if importlib.util.find_spec("comfyui_frontend_package") is None:
         pytest.skip("the ComfyUI front end is not installed: pip install 'vramgraph[frontend]'")
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes.files import Folders
     from vramgraph.server.app import ServerThread, make_app

@@ -18,7 +18,7 @@ from vramgraph.server import userdata
 
 @pytest.fixture
 def app_on(tmp_path):
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.nodes.files import Folders
     from vramgraph.server.app import ServerThread, make_app
 

@@ -96,7 +96,7 @@ def test_a_missing_front_end_is_one_line_saying_how_to_get_it(monkeypatch, tmp_p
     with pytest.raises(frontend.FrontEndMissing, match=r"pip install 'vramgraph\[frontend\]'") as e:
         frontend.front_end_root("comfyui")
     assert "\n" not in str(e.value)
-    with pytest.raises(frontend.FrontEndMissing, match="no index.html"):
+    with pytest.raises(frontend.FrontEndMissing, match=r"no index\.html"):
         frontend.front_end_root(str(tmp_path))
     assert frontend.front_end_root("vramgraph") is None and frontend.front_end_root(None) is None
 
@@ -140,7 +140,8 @@ def test_model_library(server):
     assert all(m["pathIndex"] == 0 and m["size"] > 0 for m in models)
     assert get(server, "/api/experiment/models/nope").status_code == 404
     preview = get(server, "/api/experiment/models/preview/vae/0/flux2-vae.webp")
-    assert preview.status_code == 200 and preview.content == (server.tmp / "models" / "vae" / "flux2-vae.png").read_bytes()
+    beside = (server.tmp / "models" / "vae" / "flux2-vae.png").read_bytes()
+    assert preview.status_code == 200 and preview.content == beside
     tile = get(server, "/api/experiment/models/preview/diffusion_models/0/flux-2-klein-4b.webp")
     assert tile.status_code == 200 and tile.headers["Content-Type"] == "image/png"
     for bad in ("diffusion_models/0/nope.webp", "diffusion_models/5/flux-2-klein-4b.webp",
@@ -194,7 +195,8 @@ async def _run(url: str, clients: dict[str, bool], subscribe: set[str]) -> dict[
                 if m.type != aiohttp.WSMsgType.TEXT:
                     continue
                 msgs.append(json.loads(m.data))
-                if msgs[-1]["type"] in ("execution_success", "execution_error") and msgs[-1]["data"]["prompt_id"] == pid:
+                last = msgs[-1]
+                if last["type"] in ("execution_success", "execution_error") and last["data"]["prompt_id"] == pid:
                     break
             await ws.close()
     return out

@@ -1,4 +1,5 @@
-"""The local server: ComfyUI's HTTP and websocket API over our engine, and the page in web/ at `/`.
+"""The local server: ComfyUI's HTTP and websocket API over our engine, and the page in web/ at `/` (or ComfyUI's
+official front end there with `--front-end comfyui`, ours then at /vramgraph/: frontend.py, docs/frontend.md).
 
     vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB]
 
@@ -7,13 +8,15 @@ answers them), /queue, /history, /view, /object_info, /upload/image, /interrupt,
 /system_stats, and /ws with ComfyUI's events (status, execution_start, execution_cached, executing,
 progress, executed, execution_success, execution_error, execution_interrupted, binary preview frames).
 More of ComfyUI's routes, which its front end and newer clients call, are in compat.py: /features (and
-the answer to the websocket's `feature_flags`), /models, /api/jobs, /upload/mask, /view_metadata and the
-read-only /settings, /userdata and /users; the events include `progress_state`, and `execution_cached`
+the answer to the websocket's `feature_flags`), /models, /api/jobs (and their cancel), /upload/mask,
+/view_metadata; settings and user files kept under --user-dir are in userdata.py, the template browser's files in
+templates.py, the Model Library in modellib.py; the events include `progress_state`, and `execution_cached`
 even when it lists no node. POST /prompt honours `partial_execution_targets`; /interrupt with a prompt id
 stops that prompt alone (see queue.py). Every route also answers under /api, as ComfyUI's does.
 
 Our additions: the `vramgraph.plan` event (the running prompt's plan and its timeline) and
-`vramgraph.step` (each load and unload as it happens), and POST /vramgraph/plan, /vramgraph/convert,
+`vramgraph.step` (each load and unload as it happens; to ComfyUI's front end only once our panel subscribes with
+POST /vramgraph/events, and never with the server's paths: hub.py), and POST /vramgraph/plan, /vramgraph/convert,
 /vramgraph/ui for the page.
 
 One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events

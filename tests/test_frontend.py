@@ -252,3 +252,37 @@ def test_jobs_are_cancelled_pending_and_running(server):
     assert requests.post(f"{server.url}/api/jobs/{long}/cancel", timeout=30).status_code == 409
     assert requests.post(f"{server.url}/api/jobs/nope/cancel", timeout=30).status_code == 404
     assert requests.post(f"{server.url}/api/jobs/cancel", json={"job_ids": "x"}, timeout=30).status_code == 400
+
+
+@pytest.mark.skipif(not frontend_installed, reason="pip install 'vramgraph[frontend]'")
+def test_serve_front_end_comfyui_keeps_user_data_in_dot_user(tmp_path):
+    """The real command: `vramgraph serve --front-end comfyui` in a folder; settings land in ./user."""
+    from serving import serve_process
+    from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
+
+    write_tiny_models(tmp_path / "models", names=SHIPPED_NAMES)
+    with serve_process(tmp_path, "--front-end", "comfyui") as (url, _proc, log):
+        assert "ComfyUI" in requests.get(url + "/", timeout=30).text
+        assert "<title>vramgraph</title>" in requests.get(url + "/vramgraph/", timeout=30).text
+        assert requests.post(url + "/api/settings/Comfy.Locale", json="en", timeout=30).status_code == 200
+        assert "front end:" in log.read_text()
+    assert json.loads((tmp_path / "user" / "default" / "comfy.settings.json").read_text()) == {"Comfy.Locale": "en"}
+
+
+def test_the_config_keys_pick_the_front_end_and_user_folder(tmp_path):
+    import argparse
+
+    from vramgraph.server.app import _front_end_and_user_dir
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("<!doctype html>")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"front_end": str(site), "user_dir": str(tmp_path / "u")}))
+    args = argparse.Namespace(config=str(config), front_end=None, user_dir=None)
+    assert _front_end_and_user_dir(args) == (site.resolve(), tmp_path / "u")
+    args = argparse.Namespace(config=str(config), front_end="vramgraph", user_dir=str(tmp_path / "v"))
+    assert _front_end_and_user_dir(args) == (None, tmp_path / "v")  # the options win over the config
+    config.write_text(json.dumps({"front_end": 3}))
+    with pytest.raises(ValueError, match="config front_end"):
+        _front_end_and_user_dir(argparse.Namespace(config=str(config), front_end=None, user_dir=None))

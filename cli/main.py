@@ -123,9 +123,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="a plugin whose setup(app, engine) adds routes (repeatable; bench/peer_routes.py)")
     s.add_argument("--previews", action="store_true",
                    help="step previews for every prompt (default: only for prompts whose extra_data asks, as ComfyUI)")
+    s.add_argument("--front-end", default=None, metavar="comfyui|vramgraph|DIR",
+                   help="the page at /: vramgraph (ours, the default; always also at /vramgraph/), comfyui (ComfyUI's "
+                        "official front end: pip install 'vramgraph[frontend]') or a built front end's folder; "
+                        "config key front_end (docs/frontend.md)")
     s.add_argument("--user-dir", default=None, metavar="DIR",
-                   help="ComfyUI's user folder (DIR/default/comfy.settings.json, workflows): served read-only to the "
-                        "ComfyUI front end's /settings and /userdata")
+                   help="ComfyUI's user folder, where settings and saved workflows are kept (DIR/default/...); "
+                        "default with --front-end comfyui: ./user; config key user_dir")
     s.add_argument("--enable-cors-header", nargs="?", const="*", default=None, metavar="ORIGIN",
                    help="allow requests from other sites (ORIGIN, default *), as ComfyUI's flag; by default pages of "
                         "other sites, foreign Host headers and cross-site websockets are refused")

@@ -28,7 +28,6 @@ import time
 
 import torch
 from _common import GiB, env, peak_bytes, write_report
-
 from vramgraph.models.flux2 import KLEIN_4B, Flux2Transformer
 from vramgraph.models.qwen3 import PromptTokenizer, Qwen3Config, Qwen3Encoder
 from vramgraph.models.vae import Flux2VAE

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 from _common import cosine, env, rel_l2, write_report
-
 from vramgraph.models import flux2, loading
 
 TOOLS = Path(os.environ.get("VG_SHARED_TOOLS", ".whl/tools"))

@@ -84,7 +84,6 @@ def comfy_set(models: Path, names: list[str]) -> None:
     """Files ComfyUI's detection accepts for the templates `names` (see the module's docstring)."""
     import torch
     from safetensors.torch import save_file
-
     from vramgraph.models import flux2, qwen3, vae, vae_config
     from vramgraph.models.tiny import TINY_TRANSFORMER
 

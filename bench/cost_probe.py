@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from vramgraph.graph.engine import costs
 
 

@@ -15,7 +15,6 @@ import sys
 
 import torch
 from _common import cosine, env, ref_qwen3, ref_transformer, ref_vae, rel_l2, to_dtype_keep_rope, write_report
-
 from vramgraph.models import flux2, qwen3, vae
 from vramgraph.models.common import infos_from_state_dict
 

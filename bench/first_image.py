@@ -24,7 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env, write_report
 from plan_matrix import ROOT, prompt_for, reset, write_models
-
 from vramgraph.graph.engine.budget import budget_for
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.plan import planner

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from vramgraph.models import common, loading
 
 PHASES = ("_arena", "_read_spans", "pin_pages", "_host_weights", "_device_weights")

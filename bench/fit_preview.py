@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from PIL import Image
-
 from vramgraph.models import loading
 from vramgraph.models.preview import MAP_FILE, fit_map, unpatchify
 from vramgraph.models.sampling import prepare_reference

@@ -29,7 +29,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-
 from vramgraph.models import flux2, fp8, loading
 from vramgraph.models.tiny import quantize_fp8
 
@@ -110,7 +109,6 @@ def main() -> None:
     if not a.out:
         sys.exit("usage: bench/fp8.py OUT.json | --convert IN OUT")
     from _common import env, write_report
-
     from vramgraph.models.tiny import TINY_TRANSFORMER
 
     dev = torch.device("cpu" if a.tiny else "cuda")

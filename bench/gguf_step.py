@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from vramgraph.models import flux2, flux2_config, loading, qwen3_config
 from vramgraph.models.gguf_layers import GGUFEmbedding, GGUFLinear
 from vramgraph.models.gguf_write import write_random_gguf

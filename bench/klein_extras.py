@@ -19,7 +19,6 @@ import time
 
 import torch
 from _common import GiB, env, peak_bytes, write_report
-
 from vramgraph.models.flux2 import KLEIN_9B, Flux2Transformer
 from vramgraph.models.vae import Flux2VAE
 from vramgraph.models.vae_config import SMALL_DECODER, VAEConfig

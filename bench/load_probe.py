@@ -26,7 +26,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env
-
 from vramgraph.graph.engine.budget import budget_for
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.models import loading
@@ -63,7 +62,6 @@ def pread_into(path: Path, buf: np.ndarray, threads: int) -> None:
 def part0() -> dict:
     """First-use costs in a fresh process: CUDA context, cuBLAS, attention, convolution, the tokenizer."""
     import torch.nn.functional as F
-
     from vramgraph.models.qwen3 import PromptTokenizer
 
     r = {}

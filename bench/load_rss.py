@@ -39,7 +39,6 @@ print(json.dumps({"device": device, "seconds": time.perf_counter() - t0,
 def write_file(path: Path) -> None:
     import torch
     from safetensors.torch import save_file
-
     from vramgraph.models import flux2
 
     with torch.device("meta"):

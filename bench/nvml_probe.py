@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from _common import DevicePoll
-
 from vramgraph.models.flux2 import KLEIN_4B, Flux2Transformer
 from vramgraph.models.vae import Flux2VAE
 from vramgraph.nodes import ops

@@ -65,7 +65,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import plan_cells
 from _common import DevicePoll, GiB, env
 from plan_matrix import ROOT, reset, write_models
-
 from vramgraph.graph.engine import budget as budget_mod
 from vramgraph.graph.engine.budget import budget_for
 from vramgraph.graph.engine.executor import Engine

@@ -31,7 +31,6 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env, peak_bytes
-
 from vramgraph.graph.engine.budget import budget_for
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.plan import planner

@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env
-
 from vramgraph.models.common import READ_CHUNK as CHUNK
 from vramgraph.models.common import _read_spans
 

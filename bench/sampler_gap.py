@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import oom_matrix
 from _common import GiB, env, write_report
 from plan_matrix import ROOT, reset, write_models
-
 from vramgraph.graph.engine.budget import budget_for
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.plan import planner

@@ -15,7 +15,6 @@ import statistics
 
 import torch
 from _common import TOKENIZER_DIR, cosine, env, ref_qwen3, ref_transformer, ref_vae, rel_l2, timed, write_report
-
 from vramgraph.models import flux2, qwen3, vae
 from vramgraph.models.common import infos_from_state_dict
 from vramgraph.models.pipeline import Flux2Models, generate

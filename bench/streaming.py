@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 from _common import GiB, env
 from plan_matrix import ROOT, prompt_for, reset, run_cell, write_models
-
 from vramgraph.graph.engine.budget import budget_for
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.models.sampling import image_ids, rope_table, sample, text_ids

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-
 from vramgraph import Pipeline
 from vramgraph.graph.plan import planner
 from vramgraph.graph.workflow.errors import ValidationFailed

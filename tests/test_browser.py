@@ -201,7 +201,6 @@ def _queue_of_eight(path: Path) -> None:
 
 def test_dense_plan_picture_is_readable_and_the_cli_drawing(browser, server, tmp_path):
     from PIL import Image
-
     from vramgraph.cli import main
 
     drv = browser

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.workflow.errors import InterruptedRun, NodeExecutionError
 from vramgraph.models.tiny import write_tiny_models

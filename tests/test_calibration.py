@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from vramgraph.models.vae_config import VAEConfig
 from vramgraph.nodes import calibration, estimates
 from vramgraph.nodes.types import LatentInfo, ModelInfo

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from test_validate import CASES
-
 from vramgraph.cli import main
 from vramgraph.graph.workflow.parse import load_workflow
 

@@ -21,7 +21,6 @@ import torch
 from helpers import save
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
-
 from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.types import INT, Cost
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from PIL import Image
 from test_engine import core_text_to_image
-
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.workflow.errors import NodeExecutionError, ValidationFailed
 from vramgraph.models import samplers, schedules

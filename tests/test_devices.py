@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_engine import _needs, folders_for, pixels, shipped
-
 from vramgraph.graph.engine.budget import Budget
 from vramgraph.graph.engine.devices import Devices, devices_from
 from vramgraph.graph.engine.executor import Engine

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
 from vramgraph.graph.engine.budget import Budget
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.plan import planner
@@ -375,7 +374,6 @@ def test_the_png_seed_comes_from_the_nearest_seeded_node_above() -> None:
     import random
 
     import networkx as nx
-
     from vramgraph.graph.engine.executor import seed_source
 
     seeded = {"11": ("noise_seed", 1), "13": ("seed", 2), "21": ("seed", 3), "30": ("noise_seed", 4)}

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-
 from vramgraph.cli import main
 from vramgraph.graph.workflow.families import unsupported_model
 from vramgraph.graph.workflow.parse import load_workflow

@@ -18,7 +18,6 @@ from typing import Any
 
 import networkx as nx
 import pytest
-
 from vramgraph.graph.plan import assign, planner, residency
 from vramgraph.graph.plan.assign import Memo, NextUse
 from vramgraph.graph.plan.early import FinishEarly
@@ -341,7 +340,6 @@ def queued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workflow: str, card_
     (bench/plan_cells.py), with the input images the edits load in `tmp_path`."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import plan_cells
-
     from vramgraph.graph.workflow import estimate
     from vramgraph.graph.workflow import queue as queue_mod
 

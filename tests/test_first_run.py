@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-
 from vramgraph import __version__
 from vramgraph.__main__ import main as entry
 from vramgraph.cli import main

@@ -9,7 +9,6 @@ import pytest
 import torch
 from helpers import rel_l2, save
 from refmodels import diffusers_transformer, transformer_to_bfl
-
 from vramgraph.models import flux2
 from vramgraph.models.headers import CheckpointError, read_header, read_headers, strip_prefix
 
@@ -139,7 +138,6 @@ def test_quantised_checkpoint_is_refused(files, tmp_path):
     """An int8 weight no marking explains, cast without its scales, would give a wrong image: it must be refused,
     by name (fp8 checkpoints are tested in tests/test_fp8.py)."""
     from safetensors.torch import load_file
-
     from vramgraph.models import loading
 
     sd = load_file(files / "bfl.safetensors")

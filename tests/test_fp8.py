@@ -16,7 +16,6 @@ import torch
 from helpers import rel_l2, save
 from refmodels import diffusers_transformer, transformer_to_bfl, transformers_qwen3
 from test_flux2 import _inputs, ours_and_reference
-
 from vramgraph.models import common, flux2, fp8, loading
 from vramgraph.models.headers import CheckpointError, read_header, strip_prefix
 from vramgraph.models.quant import quant_layers
@@ -287,7 +286,6 @@ def test_engine_plans_real_bytes_runs_fp8_and_refuses_nvfp4_at_validation(input_
     stored bytes and the prompt runs; a transformer with an nvfp4 layer is refused at validation, on the loader
     node's input, with the file, the layer and the format."""
     from test_engine import folders_for, shipped
-
     from vramgraph.graph.engine.executor import Engine
     from vramgraph.graph.workflow.errors import ValidationFailed
     from vramgraph.models.tiny import write_tiny_models
@@ -336,7 +334,6 @@ def refused_models(tmp_path_factory):
     with one layer marked in a format we do not run; returns (models folder, {file: its marked layer, as messages
     name it: without the transformer's prefix})."""
     from safetensors.torch import load_file
-
     from vramgraph.models.tiny import write_tiny_models
 
     models = write_tiny_models(tmp_path_factory.mktemp("refused") / "models", names=CORE_NAMES, quantize={
@@ -377,7 +374,6 @@ def test_unrun_formats_are_refused_at_validation(refused_models, input_dir, tmp_
     """validate() answers ComfyUI's /prompt error for the loader node's file input, naming the file, the layer and
     the format; the same graph on the files we run (an fp8 transformer) validates."""
     from test_engine import folders_for
-
     from vramgraph.graph.workflow.validate import validate
     from vramgraph.nodes import ENGINE_NODES
 
@@ -399,7 +395,6 @@ def test_unmarked_integer_weights_are_refused_at_validation(refused_models, inpu
     error too (on the VAE's loader), naming the tensor, the file and its dtype."""
     from safetensors.torch import load_file
     from test_engine import folders_for
-
     from vramgraph.graph.workflow.validate import validate
     from vramgraph.nodes import ENGINE_NODES
 
@@ -435,7 +430,6 @@ def test_server_prompt_refuses_from_the_header(refused_models, input_dir, tmp_pa
     """POST /prompt answers 400 with ComfyUI's node_errors on the loader's input; nothing is queued."""
     import requests
     from test_engine import folders_for
-
     from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ServerThread, make_app
 

@@ -15,7 +15,6 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter, quants
 from helpers import save
 from test_flux2 import _inputs
-
 from vramgraph.models import flux2, loading
 from vramgraph.models.dtypes import GGML_BLOCKS
 from vramgraph.models.flux2 import Flux2Transformer

@@ -18,7 +18,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_comfy_pack import ROOT, _fake_comfyui, _load_pack
-
 from vramgraph.models.gguf_write import write_gguf
 from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
 

@@ -17,7 +17,6 @@ from helpers import save
 from PIL import Image
 from safetensors.torch import load_file
 from test_engine import core_text_to_image, folders_for
-
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.workflow.errors import ValidationFailed
 from vramgraph.models import loading

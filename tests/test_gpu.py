@@ -9,7 +9,6 @@ import pytest
 import torch
 from helpers import rel_l2, save
 from refmodels import diffusers_transformer, diffusers_vae, transformer_to_bfl, transformers_qwen3, vae_to_bfl
-
 from vramgraph.models.pipeline import generate, load_models
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +60,6 @@ def test_planned_swaps_on_the_gpu_give_the_same_image(tmp_path):
 
     import numpy as np
     from PIL import Image
-
     from vramgraph.graph.engine.budget import Budget
     from vramgraph.graph.engine.executor import Engine
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models

@@ -11,7 +11,6 @@ import pytest
 import torch
 from helpers import save
 from refmodels import diffusers_transformer, transformer_to_bfl
-
 from vramgraph.models import common, flux2
 from vramgraph.models.headers import CheckpointError, read_header, read_headers, strip_prefix
 

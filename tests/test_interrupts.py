@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.workflow.errors import InterruptedRun
 from vramgraph.models.qwen3 import Qwen3Layer

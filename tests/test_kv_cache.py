@@ -32,7 +32,6 @@ from diffusers.models.transformers import transformer_flux2 as tf2
 from helpers import qwen_tokenizer_dir, rel_l2, save
 from PIL import Image
 from refmodels import diffusers_transformer, diffusers_vae, transformer_to_bfl, transformers_qwen3, vae_to_bfl
-
 from vramgraph.models import flux2
 from vramgraph.models.pipeline import generate, load_models
 from vramgraph.models.sampling import noise, pack_references, sample, sigmas

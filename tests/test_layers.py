@@ -13,7 +13,6 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
-
 import vramgraph
 
 ROOT = Path(vramgraph.__file__).parent

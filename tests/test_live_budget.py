@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from vramgraph.graph.engine.budget import Budget, DeviceMemory, live
 from vramgraph.graph.engine.executor import Engine, _tried
 from vramgraph.graph.plan import planner

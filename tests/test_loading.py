@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from vramgraph.models import dtypes, flux2, loading, qwen3, vae
 from vramgraph.models.headers import CheckpointError
 

@@ -24,7 +24,6 @@ def oom_matrix():
 
 def test_failures_are_told_apart(oom_matrix) -> None:
     import torch
-
     from vramgraph.graph.plan import planner
     from vramgraph.graph.workflow.errors import NodeExecutionError
 

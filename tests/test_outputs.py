@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from PIL import Image
-
 from vramgraph.nodes.output import TEMP_LETTERS, PreviewImage, SaveImage, fill_prefix
 
 PROMPT = {"9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": "ComfyUI"}}}

@@ -14,7 +14,6 @@ import torch
 from helpers import qwen_tokenizer_dir, rel_l2, save
 from PIL import Image
 from refmodels import diffusers_transformer, diffusers_vae, transformer_to_bfl, transformers_qwen3, vae_to_bfl
-
 from vramgraph.cli import main as cli
 from vramgraph.models import loading
 from vramgraph.models.headers import CheckpointError

@@ -12,7 +12,6 @@ import itertools
 import networkx as nx
 import pytest
 from test_planner import MODELS, card, chains, gib
-
 from vramgraph.graph.plan import placement
 from vramgraph.graph.plan.placement import Device, parse_devices, place, split_sizes
 from vramgraph.graph.plan.planner import Budget, Load, NodeCost, PlanError, Residency, Run, Unload, plan

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
-
 from vramgraph.api.pipeline import Pipeline
 from vramgraph.cli.main import main
 from vramgraph.graph.engine import budget as budget_mod

@@ -19,7 +19,6 @@ from xml.etree import ElementTree
 
 import networkx as nx
 import pytest
-
 from vramgraph.graph.draw.timeline import timeline_data, timeline_svg
 from vramgraph.graph.plan.planner import (
     TIE,

@@ -7,7 +7,6 @@ import io
 import numpy as np
 import pytest
 from PIL import Image
-
 from vramgraph.nodes import png
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
-
 from vramgraph.api.pipeline import load
 from vramgraph.graph.workflow.parse import WorkflowFormatError, load_workflow, ui_to_api
 from vramgraph.graph.workflow.uiedit import ui_with_sets

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
 from vramgraph.api.pipeline import Pipeline
 from vramgraph.cli import main as cli
 from vramgraph.cli.session import Session

@@ -15,7 +15,6 @@ import pytest
 import torch
 import transformers
 from helpers import perturb_, qwen_tokenizer_dir, rel_l2, save
-
 from vramgraph.models.headers import CheckpointError, TensorInfo, read_header, read_headers
 from vramgraph.models.qwen3 import (
     QWEN3_8B,

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
-
 from vramgraph.graph.engine.budget import CONTEXT_ESTIMATE
 from vramgraph.graph.plan import planner, residency
 from vramgraph.graph.plan.planner import Budget, ModelCost, NodeCost, PlanError

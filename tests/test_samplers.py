@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from vramgraph.models import samplers, schedules
 
 SHIFT = 2.02

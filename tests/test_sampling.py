@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
 from vramgraph.models import sampling
 
 # (side, mu, sigmas) for 4 steps: the reference test vectors (shared/reference/flux2-klein.md)

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import requests
 from PIL import Image
-
 from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.types import INT, Cost
 
@@ -491,7 +490,6 @@ def test_origin_checks_by_default_and_the_cors_opt_out(server, folders):
 def test_a_client_whose_queue_overflows_is_dropped_alone(folders):
     """Messages for one client beyond its queue's bound drop that client; another client's messages still arrive."""
     import aiohttp
-
     from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ROUTES, ServerThread, make_app
 
@@ -825,7 +823,6 @@ def test_interrupting_one_image_of_a_batch(folders):
     held by a TestHold node before its save). The other two are saved, pixel for pixel the images of their prompts
     run alone, and only the middle prompt reports execution_interrupted."""
     import numpy as np
-
     from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ROUTES, ServerThread, make_app
 

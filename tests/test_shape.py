@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import networkx as nx
 from test_planner import MODELS, card, decode, encode, gib, sample
-
 from vramgraph.graph.plan.planner import GiB, NodeCost, Run, plan
 from vramgraph.nodes.types import Variant
 

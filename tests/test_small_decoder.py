@@ -20,7 +20,6 @@ from diffusers import AutoencoderKLFlux2
 from helpers import perturb_, rel_l2, save
 from refmodels import vae_to_bfl
 from test_loading import header_only
-
 from vramgraph.models import loading
 from vramgraph.models.headers import CheckpointError, read_headers
 from vramgraph.models.tiny import TINY_SMALL_DECODER_VAE as TINY
@@ -148,7 +147,6 @@ def test_decode_estimate_follows_the_decoder_width() -> None:
 def _header_models(root: Path) -> Path:
     """A ComfyUI models/ folder of header-only full-size files: klein-4B, Qwen3-4B, both VAEs."""
     from test_loading import real_shapes
-
     from vramgraph.models import flux2, qwen3
 
     tr, te, ae = real_shapes(flux2.KLEIN_4B, qwen3.Qwen3Config())

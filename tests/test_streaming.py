@@ -8,7 +8,6 @@ import itertools
 
 import pytest
 import torch
-
 from vramgraph.models.flux2 import Flux2Transformer
 from vramgraph.models.qwen3 import Qwen3Encoder
 from vramgraph.models.sampling import sample
@@ -128,7 +127,6 @@ def test_the_engine_keeps_a_streamed_models_resident_part_for_the_next_prompt(tm
     import numpy as np
     from PIL import Image
     from safetensors.torch import save_file
-
     from vramgraph.graph.engine.budget import Budget
     from vramgraph.graph.engine.executor import Engine
     from vramgraph.graph.plan import residency

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.plan import planner
 from vramgraph.graph.workflow.validate import validate

@@ -31,7 +31,6 @@ import requests
 import torch
 from conftest import INPUT_IMAGES, TINY_FP8
 from PIL import Image
-
 from vramgraph.cli import main
 from vramgraph.graph.workflow.parse import ui_to_api
 from vramgraph.models import fp8, loading
@@ -273,7 +272,6 @@ def _header_only_models(root: Path) -> Path:
     markings, fp8 block linears, bf16 rest; only the small marker tensors hold bytes); the others are bf16, the VAEs
     fp32 as shipped, the small decoder with its own widths."""
     from test_loading import header_of, header_only, real_shapes, shapes_of
-
     from vramgraph.models import flux2, qwen3, vae, vae_config
     from vramgraph.models.tiny import quantize_fp8
 

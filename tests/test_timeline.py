@@ -16,7 +16,6 @@ from xml.etree import ElementTree
 
 import networkx as nx
 import pytest
-
 from vramgraph.cli import main
 from vramgraph.graph.draw.timeline import ASCENT, DESCENT, LANE_H, image_sizes, text_width, timeline_svg
 from vramgraph.graph.plan.planner import Budget, GiB, Load, ModelCost, NodeCost, Plan, Residency, Run, Unload, plan

@@ -17,7 +17,6 @@ from diffusers import AutoencoderKLFlux2
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from helpers import perturb_, rel_l2, save
 from refmodels import vae_to_bfl as bfl_from_diffusers
-
 from vramgraph.models.headers import CheckpointError, read_headers
 from vramgraph.models.vae import Flux2VAE, VAEConfig, config_from_checkpoint, group_norm, load_vae, sources
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
-
 from vramgraph.graph.workflow.errors import (
     InterruptedRun,
     NodeExecutionError,

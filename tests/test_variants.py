@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-
 from vramgraph.graph.engine.budget import Budget
 from vramgraph.graph.engine.executor import Engine
 from vramgraph.graph.plan import planner

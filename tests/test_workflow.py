@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from vramgraph.graph.workflow.errors import WorkflowError
 from vramgraph.graph.workflow.parse import (
     Workflow,

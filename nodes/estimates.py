@@ -50,17 +50,22 @@ VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.038, 2.5e6
 # blend weights cost TILED_CANVAS bytes per output pixel
 TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 16.15
 
-# Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes.
+# Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes: the medians of
+# ../shared/reference/anchors-h200.json (measured 2026-12-01, bf16): transformer_step_1024 0.0833 s, qwen3_encode_512
+# 0.0327 s, vae_decode_bfloat16_1024 0.0857 s. VAE_ENCODE_SECONDS_PER_MPIXEL and TILED_SLOWDOWN are not measured (the
+# anchors' tiled decode at 1024² took 0.0849 s, no slower than the whole one): guesses, which only choose between
+# variants that fit.
 DIT_SECONDS_PER_TOKEN_STEP = 0.083 / 4608  # one step at 1024² (4096 image + 512 text tokens)
 TE_SECONDS_PER_PROMPT = 0.033
 # One transformer block's compute in one sampling step of one image of n tokens: PER_TOKEN * n + PER_TOKEN2 * n²
 # (attention), at klein-4B width (other widths scale by hidden²). A double block runs each token through one
 # stream's weights, a single block through its own: the same 13·hidden² weights per token, so both kinds take
-# about the same time at twice the bytes for a double. Measured on the H200 (bf16, SDPA) by bench/streaming.py
-# ("constants": one block at 1024² and 2048², bench/results/streaming.json), the two points fitted exactly.
+# about the same time at twice the bytes for a double. Measured on the H200 (bf16, SDPA) by bench/streaming.py at
+# commit 02d12f9 ("constants": one block at 1024² and 2048², bench/results/streaming-02d12f9.json; the later
+# streaming.json holds the cells only), the two points fitted exactly (tests/test_constants.py refits them).
 DIT_DOUBLE_SECONDS_PER_TOKEN, DIT_DOUBLE_SECONDS_PER_TOKEN2 = 6.931e-7, 1.569e-11
 DIT_SINGLE_SECONDS_PER_TOKEN, DIT_SINGLE_SECONDS_PER_TOKEN2 = 6.290e-7, 1.651e-11
-VAE_DECODE_SECONDS_PER_MPIXEL = 0.086
+VAE_DECODE_SECONDS_PER_MPIXEL = 0.0817  # 0.0857 s for 1024² = 1.049e6 pixels (the anchor)
 VAE_ENCODE_SECONDS_PER_MPIXEL = 0.05
 CPU_DECODE_SECONDS_PER_MPIXEL = 134.0  # the C engine's CPU fallback at 1024² that started this project
 CPU_TEXT_ENCODE_SECONDS_PER_PROMPT = 10.0  # not measured: Qwen3-4B's ~4 TFLOP for 512 tokens at ~0.4 TFLOP/s

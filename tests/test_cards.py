@@ -107,3 +107,24 @@ def test_the_api_names_the_card_too(tmp_path: Path) -> None:
     assert e.to_dict()["extra_info"]["min_vram"] in e.to_dict()["message"]
     assert card_needed(e.needed, pipe.plan("text_to_image.json", vram=e.extra["min_vram"]).budget) == \
         e.extra["min_card_bytes"]
+
+
+def test_the_card_margin_holds_every_measured_growth_of_the_context() -> None:
+    """Each ContextGrowth is its results file's figure (bench/oom_matrix.py: the largest context after a cell less the
+    context at the start), and CARD_MARGIN holds the largest; what is not measured is named."""
+    assert budget_mod.CONTEXT_GROWTH and budget_mod.UNMEASURED_GROWTH
+    for g in budget_mod.CONTEXT_GROWTH:
+        report = json.loads((ROOT / g.data.split()[0]).read_text())
+        assert report["env"]["gpu"] == g.device
+        after = max(c["context_after_gib"] for c in report["cells"] if c.get("context_after_gib") is not None)
+        assert g.growth == round((after - report["start_context_gib"]) * 1024) * MiB, g
+        assert budget_mod.CARD_MARGIN >= g.growth
+
+
+def test_the_plan_says_how_its_budget_was_made(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", WORKFLOW, "--vram", "12GB", "--json", "--svg", ""]) == 0
+    out = json.loads(capsys.readouterr().out)
+    text = out["budget_text"]
+    assert text.startswith("card 12.00 GiB = budget 11.02 + CUDA context and cuBLAS workspace 0.70 (the H200's, "
+                           "estimated: planned off the GPU) + card margin 0.16")
+    assert all(path in text for path in budget_mod.UNMEASURED_GROWTH)

@@ -46,6 +46,30 @@ HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
 # A margin of 0.30 GiB without the cuBLAS initialisation in the budget had let the process pass an 8 GiB card by 0.02
 # GiB (bench/results/peer_compare_fp8.json): the context then grew by 0.26-0.30 GiB after it was measured.
 CARD_MARGIN = 160 * 2**20
+
+
+@dataclass(frozen=True)
+class ContextGrowth:
+    """One measurement of what CARD_MARGIN must hold: the device memory a process came to use outside torch's
+    allocator after its budget measured the context (kernel images loaded on first use), on one device and kernel
+    path, with the results file (and the code's commit) it comes from."""
+
+    device: str
+    path: str  # the kernels that ran: compute dtype, attention, weights' format
+    growth: int  # bytes: the largest context after a cell less the context at the start
+    data: str
+
+
+# Every measurement of the context's growth; CARD_MARGIN must hold the largest (tests/test_cards.py checks it and each
+# figure against its file). A new one (a consumer card, another kernel path: bench/oom_matrix.py reports
+# start_context_gib and each cell's context_after_gib) drops in here.
+CONTEXT_GROWTH = (
+    ContextGrowth("NVIDIA H200", "bf16, SDPA, bf16 weights: 60 cells, 512²-2048², 3 workflows", 112 * 2**20,
+                  "bench/results/oom_matrix.json (code of 917421e, committed in 3c76c11): 0.7781 - 0.6688 GiB"),
+)
+# Paths whose growth nobody has measured: CARD_MARGIN's 48 MiB above the largest growth measured stand in for them, a
+# guess until they are measured on the GPU (docs/cards.md).
+UNMEASURED_GROWTH = ("fp8 weights (torch._scaled_mm kernels)", "fp32 compute", "any consumer card (RTX 30/40/50)")
 # The CUDA context and cuBLAS workspace a plan off the GPU assumes (`vramgraph plan` on a laptop, `--device cpu` with
 # --vram): the H200's, measured as the GPU run measures them (0.669 + 0.031 GiB, above), rounded up. Consumer cards
 # measure less (their page tables are smaller), so a plan made here is never larger than the card can hold; on the GPU
@@ -121,6 +145,19 @@ def card_on_device(card: int, total: int, vram: str | int | float | None = None)
     raise ValueError(f"--vram {shown} is more than this device has: it reports {total / GiB:.2f} GiB ({total // MiB} "
                      f"MiB); leave --vram out or write --vram {whole_card(total)} for the whole card, or a smaller "
                      "size to plan as that card")
+
+
+def budget_text(budget: Budget) -> str:
+    """How `budget` was made from its card, each part named as what it is (docs/cards.md): printed under a plan."""
+    context = budget.outside_allocator - CARD_MARGIN
+    if budget.card is None or budget.outside_allocator <= 0:
+        return f"budget {budget.gpu / GiB:.2f} GiB (reserve {budget.reserve / GiB:.2f} GiB kept free)"
+    where = ("the H200's, estimated: planned off the GPU" if context == CONTEXT_ESTIMATE else "measured at start")
+    worst = max(CONTEXT_GROWTH, key=lambda g: g.growth)
+    return (f"card {budget.card / GiB:.2f} GiB = budget {budget.gpu / GiB:.2f} + CUDA context and cuBLAS workspace "
+            f"{context / GiB:.2f} ({where}) + card margin {CARD_MARGIN / GiB:.2f} (the context's growth measured on "
+            f"the {worst.device} only: {worst.growth / GiB:.2f}; not measured: {', '.join(UNMEASURED_GROWTH)}) + "
+            f"reserve {budget.reserve / GiB:.2f}")
 
 
 def card_needed(gpu: int, budget: Budget) -> int:

@@ -76,6 +76,8 @@ def test_the_budget_on_a_real_8_gb_card(monkeypatch: pytest.MonkeyPatch) -> None
         assert 0 < caps[-1] < 1
     with pytest.raises(ValueError, match="--vram 8GB for the whole card"):
         budget_mod.budget_for("cuda", "9GB", host="32GiB")
+    with pytest.raises(ValueError, match=r"leaves nothing.*give a card larger than 0\.77GiB"):  # 500 + 160 + 128 MiB
+        budget_mod.budget_for("cuda", "700MiB", host="32GiB")
 
 
 def _rejection(args: list[str], capsys: pytest.CaptureFixture) -> dict:

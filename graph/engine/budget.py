@@ -267,7 +267,8 @@ def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | 
     gpu = card_budget(card, outside, res)
     if gpu <= 0:
         raise ValueError(f"--vram {vram} leaves nothing: the CUDA context alone takes {outside / GiB:.2f} GiB, and "
-                         f"{(CARD_MARGIN + res) / GiB:.2f} GiB are kept free")
+                         f"{(CARD_MARGIN + res) / GiB:.2f} GiB are kept free; give a card larger than "
+                         f"{vram_text(outside + CARD_MARGIN + res)}")
     if cap:  # torch may hold the plan's bytes, the reserve (allocator rounding) and the BLAS workspace, no more
         torch.cuda.set_per_process_memory_fraction((gpu + res + workspace) / total, index)
     return Budget(gpu, host_bytes, card, res, outside + CARD_MARGIN)

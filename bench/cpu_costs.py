@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -88,14 +89,14 @@ def timed(name: str, make: Callable[[str], Callable[[], object]]) -> dict:
 def measure(dtype: torch.dtype, quick: bool) -> dict:
     """Both kinds: the real size's FLOPs, the rates timed, and the predicted seconds."""
     te, vae = Qwen3Config(), VAEConfig()
-    layers, tokens, latent = (1, 32, 4) if quick else (2, 128, 16)
+    layers, tokens, latent = (1, 32, 4) if quick else (2, 64, 8)
     real_te = _encode_call(te, te.n_built, REAL_TOKENS, "meta", dtype)
     real_vae = _decode_call(vae, REAL_SIDE // 8, "meta", dtype)
     text = {"real": f"Qwen3-4B, {te.n_built} layers, {REAL_TOKENS} tokens, one prompt", "real_flops": flops(real_te),
             "timed": timed(f"real widths, {layers} layers, {tokens} tokens",
                            lambda d: _encode_call(te, layers, tokens, d, dtype)),
-            "tiny": timed(f"models/tiny.py TINY_QWEN3, {TINY_QWEN3.n_built} layers, {REAL_TOKENS} tokens",
-                          lambda d: _encode_call(TINY_QWEN3, TINY_QWEN3.n_built, REAL_TOKENS, d, dtype))}
+            "tiny": timed(f"models/tiny.py TINY_QWEN3, {TINY_QWEN3.n_built} layers, 128 tokens",
+                          lambda d: _encode_call(TINY_QWEN3, TINY_QWEN3.n_built, 128, d, dtype))}
     decode = {"real": f"FLUX.2 VAE decoder, {REAL_SIDE}x{REAL_SIDE}, one image", "real_flops": flops(real_vae),
               "timed": timed(f"real widths, latent {latent}x{latent} ({latent * 8}x{latent * 8} pixels)",
                              lambda d: _decode_call(vae, latent, d, dtype)),
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     report = {"env": {"torch": torch.__version__, "python": platform.python_version(),
-                      "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+                      "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                      "load_average_1min": os.getloadavg()[0]},
               "cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": a.dtype, "quick": a.quick,
               **measure(torch_dtype(a.dtype), a.quick)}
     report["seconds"] = round(time.perf_counter() - t0, 1)

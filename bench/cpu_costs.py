@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -108,6 +109,16 @@ def measure(dtype: torch.dtype, quick: bool) -> dict:
             "decode": {**decode, "seconds_per_mpixel": round(decode["predicted_seconds"] / mpix, 2)}}
 
 
+def _commit() -> str | None:
+    """The checkout's commit, if it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -130,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     report = {"env": {"torch": torch.__version__, "python": platform.python_version(),
                       "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                      "load_average_1min": os.getloadavg()[0]},
+                      "load_average_1min": os.getloadavg()[0], "commit": _commit()},
               "cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": a.dtype, "quick": a.quick,
               **measure(torch_dtype(a.dtype), a.quick)}
     report["seconds"] = round(time.perf_counter() - t0, 1)

@@ -67,8 +67,14 @@ DIT_DOUBLE_SECONDS_PER_TOKEN, DIT_DOUBLE_SECONDS_PER_TOKEN2 = 6.931e-7, 1.569e-1
 DIT_SINGLE_SECONDS_PER_TOKEN, DIT_SINGLE_SECONDS_PER_TOKEN2 = 6.290e-7, 1.651e-11
 VAE_DECODE_SECONDS_PER_MPIXEL = 0.0817  # 0.0857 s for 1024² = 1.049e6 pixels (the anchor)
 VAE_ENCODE_SECONDS_PER_MPIXEL = 0.05
-CPU_DECODE_SECONDS_PER_MPIXEL = 134.0  # the C engine's CPU fallback at 1024² that started this project
-CPU_TEXT_ENCODE_SECONDS_PER_PROMPT = 10.0  # not measured: Qwen3-4B's ~4 TFLOP for 512 tokens at ~0.4 TFLOP/s
+# The CPU variants (the last resort): bench/results/cpu_costs.json (bench/cpu_costs.py: the real sizes' FLOPs, 2.91
+# TFLOP an encode and 10.5 TFLOP a 1024² decode, over the bf16 rate timed at real widths), measured on this project's
+# CI machine, 2 shared cores under load (9.4 and 6.6 GFLOP/s): a free desktop CPU takes a fraction of these times,
+# which only make a CPU variant less likely to be chosen (tests/test_cpu_costs.py reads the file). Before: 134 s/MP,
+# another program's CPU decode, and 10 s an encode, a guess.
+CPU_DECODE_SECONDS_PER_MPIXEL = 1504.43
+CPU_TEXT_ENCODE_SECONDS_PER_PROMPT = 310.51
+CPU_COST_NOTE = "CPU rate of bench/results/cpu_costs.json: 2 loaded cores"
 TILED_SLOWDOWN = 1.6
 
 
@@ -223,7 +229,7 @@ def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...
 def text_encode_cpu(model: ModelInfo, batch: int) -> Variant:
     """The text encode on the CPU (CLIPLoader device "cpu"): no GPU memory, the weights in host memory."""
     seconds = CPU_TEXT_ENCODE_SECONDS_PER_PROMPT * batch * _param_scale_te(model)
-    return Variant("cpu", (), 0, seconds, note="text encoder on the CPU (CLIPLoader device: cpu)")
+    return Variant("cpu", (), 0, seconds, note=f"text encoder on the CPU (CLIPLoader device: cpu; {CPU_COST_NOTE})")
 
 
 def _param_scale_te(model: ModelInfo) -> float:
@@ -334,8 +340,8 @@ def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Variant, ...]:
         options.append(Variant("tiled", (model.key,), _margin(tile_act),
                               VAE_DECODE_SECONDS_PER_MPIXEL * mpix * TILED_SLOWDOWN,
                               note=f"tiled decode ({TILE * 16}px tiles)"))
-    options.append(Variant("cpu", (), 0, CPU_DECODE_SECONDS_PER_MPIXEL * mpix,
-                          note=f"decodes on the CPU: about {CPU_DECODE_SECONDS_PER_MPIXEL * mpix:.0f} s"))
+    cpu_s = CPU_DECODE_SECONDS_PER_MPIXEL * mpix
+    options.append(Variant("cpu", (), 0, cpu_s, note=f"decodes on the CPU: about {cpu_s:.0f} s ({CPU_COST_NOTE})"))
     return tuple(options)
 
 

@@ -51,10 +51,10 @@ VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.038, 2.5e6
 TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 16.15
 
 # Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes: the medians of
-# ../shared/reference/anchors-h200.json (measured 2026-12-01, bf16): transformer_step_1024 0.0833 s, qwen3_encode_512
-# 0.0327 s, vae_decode_bfloat16_1024 0.0857 s. VAE_ENCODE_SECONDS_PER_MPIXEL and TILED_SLOWDOWN are not measured (the
-# anchors' tiled decode at 1024² took 0.0849 s, no slower than the whole one): guesses, which only choose between
-# variants that fit.
+# bench/results/anchors-h200.json (../shared/reference's, measured 2026-12-01, bf16): transformer_step_1024 0.0833 s,
+# qwen3_encode_512 0.0327 s, vae_decode_bfloat16_1024 0.0857 s. VAE_ENCODE_SECONDS_PER_MPIXEL and TILED_SLOWDOWN are
+# not measured (the anchors' tiled decode at 1024² took 0.0849 s, no slower than the whole one): guesses, which only
+# choose between variants that fit.
 DIT_SECONDS_PER_TOKEN_STEP = 0.083 / 4608  # one step at 1024² (4096 image + 512 text tokens)
 TE_SECONDS_PER_PROMPT = 0.033
 # One transformer block's compute in one sampling step of one image of n tokens: PER_TOKEN * n + PER_TOKEN2 * n²

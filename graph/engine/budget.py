@@ -72,8 +72,9 @@ CONTEXT_GROWTH = (
 UNMEASURED_GROWTH = ("fp8 weights (torch._scaled_mm kernels)", "fp32 compute", "any consumer card (RTX 30/40/50)")
 # The CUDA context and cuBLAS workspace a plan off the GPU assumes (`vramgraph plan` on a laptop, `--device cpu` with
 # --vram): the H200's, measured as the GPU run measures them (0.669 + 0.031 GiB, above), rounded up. Consumer cards
-# measure less (their page tables are smaller), so a plan made here is never larger than the card can hold; on the GPU
-# the measured context is used instead.
+# are expected to measure less (smaller page tables; not measured here), but their CUDA total on Linux is 0.2-0.4 GiB
+# under the size they are sold as (WHOLE_CARD, below): a plan made here is a prediction, and the run on the card
+# measures both and plans within them.
 CONTEXT_ESTIMATE = 720 * 2**20
 MiB = 2**20
 # Sizes are binary, as cards and memory are sold: a card sold as "8 GB" has 8 GiB of memory (8192 MiB), so 8GiB, 8GB

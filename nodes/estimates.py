@@ -70,8 +70,10 @@ VAE_ENCODE_SECONDS_PER_MPIXEL = 0.05
 # The CPU variants (the last resort): bench/results/cpu_costs.json (bench/cpu_costs.py: the real sizes' FLOPs, 2.91
 # TFLOP an encode and 10.5 TFLOP a 1024² decode, over the bf16 rate timed at real widths), measured on this project's
 # CI machine, 2 shared cores under load (9.4 and 6.6 GFLOP/s): a free desktop CPU takes a fraction of these times,
-# which only make a CPU variant less likely to be chosen (tests/test_cpu_costs.py reads the file). Before: 134 s/MP,
-# another program's CPU decode, and 10 s an encode, a guess.
+# which only make a CPU variant less likely to be chosen (tests/test_cpu_costs.py reads the file). The same timing on
+# 16 idle cores with AMX (bench/results/cpu_costs-h100host.json) gives 1.7 s and 6.9 s/MP: a CPU's rate spans ~200x,
+# so these are one machine's, not the user's (a CPU probe at start, as costs.probe does for the GPU, is not built).
+# Before: 134 s/MP, another program's CPU decode, and 10 s an encode, a guess.
 CPU_DECODE_SECONDS_PER_MPIXEL = 1504.43
 CPU_TEXT_ENCODE_SECONDS_PER_PROMPT = 310.51
 CPU_COST_NOTE = "CPU rate of bench/results/cpu_costs.json: 2 loaded cores"

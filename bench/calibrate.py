@@ -14,10 +14,11 @@ above the resident weights, bench/_common.peak_bytes), each heavy node's torch w
 - VAE encode: square sides up to 1024.
 
 OUT.json holds the points under "calibration" (the schema nodes/calibration.py reads: shapes, "dtype", widths,
-"bytes"), the constants fitted from them ("fit", unrounded; "fit_4g" as nodes/estimates.py writes them), each
-point's error with the fit and with the constants in use, and the worst error per kind and dtype. To adopt a run:
-copy OUT.json to bench/results/calibrate.json and set nodes/estimates.py's constants to "fit_4g";
-tests/test_calibration.py then checks both. fp8-stored weights compute in bf16 and the small decoder is a
+"bytes") and `nodes.calibration.report` of them: the constants fitted ("fit", unrounded; "constants" as
+nodes/estimates.py writes them), the constants in use and whether they are that fit, each point's error with the fit
+and the worst per kind and dtype. To adopt a run: copy OUT.json to bench/results/calibrate.json and set
+nodes/estimates.py's constants to its "constants"; tests/test_calibration.py then checks that they are the fit of the
+committed points and that the report says so. fp8-stored weights compute in bf16 and the small decoder is a
 `decoder_width` parameter of the formula; neither is measured here.
 """
 
@@ -109,17 +110,8 @@ def main() -> None:
     for name in a.dtypes.split(","):
         for kind, pts in measure(name, sides, tok).items():
             points[kind] += pts
-    fitted = calibration.fit(points)
-    worst: dict[str, float] = {}
-    for kind, p, err in calibration.errors(points, fitted):
-        key = f"{kind}/{p['dtype']}"
-        worst[key] = max(worst.get(key, 0.0), round(abs(err), 5))
-    report = {"env": env(), "seconds": round(time.perf_counter() - t0, 1), "calibration": points, "fit": fitted,
-              "fit_4g": {k: float(f"{v:.4g}") for k, v in fitted.items()}, "in_use": calibration.in_use(),
-              "worst_error_with_fit": worst,
-              "worst_error_in_use": max(abs(e) for _, _, e in calibration.errors(points)),
-              "errors_with_fit": [[k, {x: v for x, v in p.items() if x != "bytes"}, round(e, 5)]
-                                  for k, p, e in calibration.errors(points, fitted)]}
+    report = {"env": env(), "seconds": round(time.perf_counter() - t0, 1), "calibration": points,
+              **calibration.report(points)}
     write_report(a.out, report)
 
 

@@ -60,12 +60,13 @@ def _block_times(cfg, double, single, side_px: int, copy_block) -> dict:
     hcat = torch.cat([c, x], 1)
     n = n_img + n_txt
     with torch.no_grad():
-        td = 1 / _bw(lambda: double(x, c, mod6, mod6, rope), 1, 10)
-        ts = 1 / _bw(lambda: single(hcat, mod6[:3], rope), 1, 10)
+        spans, spans3 = ((0, mod6),), ((0, mod6[:3]),)  # one modulation over all tokens (models/flux2.py `Spans`)
+        td = 1 / _bw(lambda: double(x, c, spans, mod6, rope), 1, 10)
+        ts = 1 / _bw(lambda: single(hcat, spans3, rope), 1, 10)
 
         def both() -> None:  # a block's copy on the side stream beside a single block's compute
             copy_block()
-            single(hcat, mod6[:3], rope)
+            single(hcat, spans3, rope)
 
         tb = 1 / _bw(both, 1, 10)
     return {"tokens": n, "double_s": td, "single_s": ts, "double_s_per_token": td / n, "single_s_per_token": ts / n,

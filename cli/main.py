@@ -295,6 +295,7 @@ def _api_like(path: Path) -> dict | None:
 
 def _plan(args: argparse.Namespace) -> int:
     from ..graph.draw.timeline import timeline_svg
+    from ..graph.engine.budget import budget_text
 
     pipe = _pipeline(args)
     pipe.settings = pipe.settings.replace(host=args.host)
@@ -304,7 +305,8 @@ def _plan(args: argparse.Namespace) -> int:
         return _plan_devices(pipe, args)
     several = args.workflow if len(args.workflow) > 1 else args.workflow[0]
     prep, budget = pipe.planned(several, size=args.size, set=parse_sets(args.set), prompts=args.prompts)
-    print(json.dumps(prep.plan.to_json(), indent=1) if args.json else prep.plan.table())
+    print(json.dumps({**prep.plan.to_json(), "budget_text": budget_text(budget)}, indent=1) if args.json else
+          f"{prep.plan.table()}\n{budget_text(budget)}")
     if args.svg:
         title = " + ".join(Path(w).name for w in args.workflow) + (f" x {args.prompts}" if args.prompts > 1 else "")
         svg = timeline_svg(prep.plan, title, card=budget.card, prompt=prep.prompt)

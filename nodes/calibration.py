@@ -127,6 +127,28 @@ def fit(calibration: Mapping[str, Sequence[Point]]) -> dict[str, float]:
     return c
 
 
+def rounded(c: Mapping[str, float]) -> dict[str, float]:
+    """Constants as nodes/estimates.py writes them: 4 significant digits."""
+    return {k: float(f"{v:.4g}") for k, v in c.items()}
+
+
+def report(calibration: Mapping[str, Sequence[Point]]) -> dict[str, Any]:
+    """What bench/calibrate.py writes beside its points (bench/results/calibrate.json): the fit ("fit", unrounded;
+    "constants", as nodes/estimates.py writes them), the constants in use when the report was made and whether they
+    are that fit, each point's error with the fit and the worst per kind and dtype, and the worst with those in use.
+    tests/test_calibration.py checks that the committed report's "constants" are the ones in use."""
+    fitted = fit(calibration)
+    worst: dict[str, float] = {}
+    for kind, p, err in errors(calibration, fitted):
+        key = f"{kind}/{p['dtype']}"
+        worst[key] = max(worst.get(key, 0.0), round(abs(err), 5))
+    constants = rounded(fitted)
+    return {"fit": fitted, "constants": constants, "in_use": in_use(), "in_use_is_fit": constants == in_use(),
+            "worst_error_with_fit": worst, "worst_error_in_use": max(abs(e) for _, _, e in errors(calibration)),
+            "errors_with_fit": [[k, {x: v for x, v in p.items() if x != "bytes"}, round(e, 5)]
+                                for k, p, e in errors(calibration, fitted)]}
+
+
 def in_use() -> dict[str, float]:
     """The constants nodes/estimates.py uses now."""
     return {name: float(getattr(estimates, name)) for name in CONSTANTS}

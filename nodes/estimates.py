@@ -50,20 +50,33 @@ VAE_ENCODE_PER_PIXEL, VAE_ENCODE_FIXED = 7.038, 2.5e6
 # blend weights cost TILED_CANVAS bytes per output pixel
 TILE, TILE_OVERLAP, TILED_CANVAS = 64, 8, 16.15
 
-# Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes.
+# Compute times on the H200 at klein-4B size, scaled by parameter counts for other sizes: the medians of
+# bench/results/anchors-h200.json (../shared/reference's, measured 2026-12-01, bf16): transformer_step_1024 0.0833 s,
+# qwen3_encode_512 0.0327 s, vae_decode_bfloat16_1024 0.0857 s. VAE_ENCODE_SECONDS_PER_MPIXEL and TILED_SLOWDOWN are
+# not measured (the anchors' tiled decode at 1024² took 0.0849 s, no slower than the whole one): guesses, which only
+# choose between variants that fit.
 DIT_SECONDS_PER_TOKEN_STEP = 0.083 / 4608  # one step at 1024² (4096 image + 512 text tokens)
 TE_SECONDS_PER_PROMPT = 0.033
 # One transformer block's compute in one sampling step of one image of n tokens: PER_TOKEN * n + PER_TOKEN2 * n²
 # (attention), at klein-4B width (other widths scale by hidden²). A double block runs each token through one
 # stream's weights, a single block through its own: the same 13·hidden² weights per token, so both kinds take
-# about the same time at twice the bytes for a double. Measured on the H200 (bf16, SDPA) by bench/streaming.py
-# ("constants": one block at 1024² and 2048², bench/results/streaming.json), the two points fitted exactly.
+# about the same time at twice the bytes for a double. Measured on the H200 (bf16, SDPA) by bench/streaming.py at
+# commit 02d12f9 ("constants": one block at 1024² and 2048², bench/results/streaming-02d12f9.json; the later
+# streaming.json holds the cells only), the two points fitted exactly (tests/test_constants.py refits them).
 DIT_DOUBLE_SECONDS_PER_TOKEN, DIT_DOUBLE_SECONDS_PER_TOKEN2 = 6.931e-7, 1.569e-11
 DIT_SINGLE_SECONDS_PER_TOKEN, DIT_SINGLE_SECONDS_PER_TOKEN2 = 6.290e-7, 1.651e-11
-VAE_DECODE_SECONDS_PER_MPIXEL = 0.086
+VAE_DECODE_SECONDS_PER_MPIXEL = 0.0817  # 0.0857 s for 1024² = 1.049e6 pixels (the anchor)
 VAE_ENCODE_SECONDS_PER_MPIXEL = 0.05
-CPU_DECODE_SECONDS_PER_MPIXEL = 134.0  # the C engine's CPU fallback at 1024² that started this project
-CPU_TEXT_ENCODE_SECONDS_PER_PROMPT = 10.0  # not measured: Qwen3-4B's ~4 TFLOP for 512 tokens at ~0.4 TFLOP/s
+# The CPU variants (the last resort): bench/results/cpu_costs.json (bench/cpu_costs.py: the real sizes' FLOPs, 2.91
+# TFLOP an encode and 10.5 TFLOP a 1024² decode, over the bf16 rate timed at real widths), measured on this project's
+# CI machine, 2 shared cores under load (9.4 and 6.6 GFLOP/s): a free desktop CPU takes a fraction of these times,
+# which only make a CPU variant less likely to be chosen (tests/test_cpu_costs.py reads the file). The same timing on
+# 16 idle cores with AMX (bench/results/cpu_costs-h100host.json) gives 1.7 s and 6.9 s/MP: a CPU's rate spans ~200x,
+# so these are one machine's, not the user's (a CPU probe at start, as costs.probe does for the GPU, is not built).
+# Before: 134 s/MP, another program's CPU decode, and 10 s an encode, a guess.
+CPU_DECODE_SECONDS_PER_MPIXEL = 1504.43
+CPU_TEXT_ENCODE_SECONDS_PER_PROMPT = 310.51
+CPU_COST_NOTE = "CPU rate of bench/results/cpu_costs.json: 2 loaded cores"
 TILED_SLOWDOWN = 1.6
 
 
@@ -222,7 +235,7 @@ def text_encode(model: ModelInfo, batch: int, tokens: int) -> tuple[Variant, ...
 def text_encode_cpu(model: ModelInfo, batch: int) -> Variant:
     """The text encode on the CPU (CLIPLoader device "cpu"): no GPU memory, the weights in host memory."""
     seconds = CPU_TEXT_ENCODE_SECONDS_PER_PROMPT * batch * _param_scale_te(model)
-    return Variant("cpu", (), 0, seconds, note="text encoder on the CPU (CLIPLoader device: cpu)")
+    return Variant("cpu", (), 0, seconds, note=f"text encoder on the CPU (CLIPLoader device: cpu; {CPU_COST_NOTE})")
 
 
 def _param_scale_te(model: ModelInfo) -> float:
@@ -333,8 +346,8 @@ def vae_decode(model: ModelInfo, latent: LatentInfo) -> tuple[Variant, ...]:
         options.append(Variant("tiled", (model.key,), _margin(tile_act),
                               VAE_DECODE_SECONDS_PER_MPIXEL * mpix * TILED_SLOWDOWN,
                               note=f"tiled decode ({TILE * 16}px tiles)"))
-    options.append(Variant("cpu", (), 0, CPU_DECODE_SECONDS_PER_MPIXEL * mpix,
-                          note=f"decodes on the CPU: about {CPU_DECODE_SECONDS_PER_MPIXEL * mpix:.0f} s"))
+    cpu_s = CPU_DECODE_SECONDS_PER_MPIXEL * mpix
+    options.append(Variant("cpu", (), 0, cpu_s, note=f"decodes on the CPU: about {cpu_s:.0f} s ({CPU_COST_NOTE})"))
     return tuple(options)
 
 

@@ -180,3 +180,15 @@ def test_a_prompt_thread_makes_its_own_blas_workspace_before_its_nodes(tiny_mode
     assert got["workspace"] > 0 and engine.budget.gpu == before - got["workspace"]
     encode = next(n for n in got["result"].nodes if n.class_type == "VGTextEncode")
     assert encode.measured_bytes < 4 * MiB < got["workspace"]
+
+
+def test_the_committed_report_holds_the_constants_in_use() -> None:
+    """calibrate.json's "constants" (what bench/calibrate.py tells to copy) are those nodes/estimates.py uses, and its
+    report is what nodes.calibration.report makes of its points now (no stale fit beside them)."""
+    data = json.loads(DATA.read_text())
+    assert "fit_4g" not in data
+    assert data["constants"] == data["in_use"] == calibration.in_use()
+    assert data["in_use_is_fit"] is True
+    fresh = calibration.report(data["calibration"])
+    assert {k: fresh[k] for k in ("constants", "in_use", "worst_error_with_fit")} == \
+        {k: data[k] for k in ("constants", "in_use", "worst_error_with_fit")}

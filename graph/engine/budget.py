@@ -13,6 +13,7 @@ time), and `shortage` / `short_plan_error` say so when that leaves too little.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import threading
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import Any
 
 from ..plan.planner import DEFAULT_RESERVE, Budget, PlanError
 
+log = logging.getLogger("vramgraph.budget")
 GiB = 2**30
 HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
 # A card of `--vram` bytes is split as: CUDA context and cuBLAS workspace (measured when the budget is made, after
@@ -44,25 +46,59 @@ HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
 # A margin of 0.30 GiB without the cuBLAS initialisation in the budget had let the process pass an 8 GiB card by 0.02
 # GiB (bench/results/peer_compare_fp8.json): the context then grew by 0.26-0.30 GiB after it was measured.
 CARD_MARGIN = 160 * 2**20
+
+
+@dataclass(frozen=True)
+class ContextGrowth:
+    """One measurement of what CARD_MARGIN must hold: the device memory a process came to use outside torch's
+    allocator after its budget measured the context (kernel images loaded on first use), on one device and kernel
+    path, with the results file (and the code's commit) it comes from."""
+
+    device: str
+    path: str  # the kernels that ran: compute dtype, attention, weights' format
+    growth: int  # bytes: the largest context after a cell less the context at the start
+    data: str
+
+
+# Every measurement of the context's growth; CARD_MARGIN must hold the largest (tests/test_cards.py checks it and each
+# figure against its file). A new one (a consumer card, another kernel path: bench/oom_matrix.py reports
+# start_context_gib and each cell's context_after_gib) drops in here.
+CONTEXT_GROWTH = (
+    ContextGrowth("NVIDIA H200", "bf16, SDPA, bf16 weights: 60 cells, 512²-2048², 3 workflows", 112 * 2**20,
+                  "bench/results/oom_matrix.json (code of 917421e, committed in 3c76c11): 0.7781 - 0.6688 GiB"),
+)
+# Paths whose growth nobody has measured: CARD_MARGIN's 48 MiB above the largest growth measured stand in for them, a
+# guess until they are measured on the GPU (docs/cards.md).
+UNMEASURED_GROWTH = ("fp8 weights (torch._scaled_mm kernels)", "fp32 compute", "any consumer card (RTX 30/40/50)")
 # The CUDA context and cuBLAS workspace a plan off the GPU assumes (`vramgraph plan` on a laptop, `--device cpu` with
 # --vram): the H200's, measured as the GPU run measures them (0.669 + 0.031 GiB, above), rounded up. Consumer cards
-# measure less (their page tables are smaller), so a plan made here is never larger than the card can hold; on the GPU
-# the measured context is used instead.
+# are expected to measure less (smaller page tables; not measured here), but their CUDA total on Linux is 0.2-0.4 GiB
+# under the size they are sold as (WHOLE_CARD, below): a plan made here is a prediction, and the run on the card
+# measures both and plans within them.
 CONTEXT_ESTIMATE = 720 * 2**20
-UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-         "g": GiB, "gb": 10**9, "gib": GiB, "t": 2**40, "tb": 10**12, "tib": 2**40}
+MiB = 2**20
+# Sizes are binary, as cards and memory are sold: a card sold as "8 GB" has 8 GiB of memory (8192 MiB), so 8GiB, 8GB
+# and 8G all name it (docs/cards.md); likewise K/KB/KiB, M/MB/MiB and T/TB/TiB.
+UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": MiB, "mb": MiB, "mib": MiB,
+         "g": GiB, "gb": GiB, "gib": GiB, "t": 2**40, "tb": 2**40, "tib": 2**40}
+# A card's driver reports a little less than the memory it is sold with: real 8 GB cards report 8188-8192 MiB through
+# nvidia-smi and on Windows, but CUDA on Linux counts 7.75-7.80 GiB of them (RTX 3070, 4060), a 12 GB RTX 3060 11.75
+# GiB, a 24 GB RTX 4090 23.61-23.68 GiB (the driver's own reservation; docs/cards.md lists the sources). A --vram
+# request above the device's total by at most this share of it therefore names the card itself: the whole device.
+WHOLE_CARD = 0.04
 
 
 def parse_size(text: str | int | float) -> int:
-    """'12GiB', '12G', '11.5 GB', '800MiB', '4096B', or a number of bytes as an int -> bytes (G and GiB are both
-    2**30). A string without a unit is refused: '12' is too easily meant as 12 GiB."""
+    """'12GiB', '12G', '12GB', '11.5 GB', '800MiB', '4096B', or a number of bytes as an int -> bytes. Every unit is
+    binary (G, GB and GiB are all 2**30: module comment). A string without a unit is refused: '12' is too easily meant
+    as 12 GiB."""
     if isinstance(text, int | float):
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if m and not m.group(2):
         raise ValueError(f"'{text}' has no unit; write {m.group(1)}GiB (or {m.group(1)}GB, {m.group(1)}MiB)")
     if not m or m.group(2).lower() not in UNITS:
-        raise ValueError(f"'{text}' is not a size; write e.g. 12GiB, 11.5GB or 800MiB")
+        raise ValueError(f"'{text}' is not a size; write e.g. 12GB (a card sold as 12 GB), 11.5GiB or 800MiB")
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
 
 
@@ -89,6 +125,67 @@ def card_budget(card: int, context: int, reserve: int = DEFAULT_RESERVE) -> int:
     allocator) takes `context`: the one formula of the GPU run (measured context) and of a plan made off the GPU
     (CONTEXT_ESTIMATE)."""
     return card - context - CARD_MARGIN - reserve
+
+
+def whole_card(total: int) -> str:
+    """The shortest --vram that names a device of `total` bytes as a whole: the size it is sold as (7.78 GiB: '8GB'),
+    or its exact total in MiB where no whole GiB is within WHOLE_CARD of it (an ECC card)."""
+    sold = -(-total // GiB)
+    return f"{sold}GB" if sold * GiB <= total * (1 + WHOLE_CARD) else f"{total // MiB}MiB"
+
+
+def card_on_device(card: int, total: int, vram: str | int | float | None = None) -> int:
+    """The card a --vram of `card` bytes means on a device of `total` bytes: that card where it fits; the whole device
+    where it asks for at most WHOLE_CARD more than the device reports (the card it is sold as: '8GB' on a card whose
+    CUDA total is 7.78 GiB); else a ValueError that says what to write."""
+    if card <= total:
+        return card
+    if card <= total * (1 + WHOLE_CARD):
+        return total
+    shown = vram if vram is not None else f"{card / GiB:.2f}GiB"
+    raise ValueError(f"--vram {shown} is more than this device has: it reports {total / GiB:.2f} GiB ({total // MiB} "
+                     f"MiB); leave --vram out or write --vram {whole_card(total)} for the whole card, or a smaller "
+                     "size to plan as that card")
+
+
+def budget_text(budget: Budget) -> str:
+    """How `budget` was made from its card, each part named as what it is (docs/cards.md): printed under a plan."""
+    context = budget.outside_allocator - CARD_MARGIN
+    if budget.card is None or budget.outside_allocator <= 0:
+        return f"budget {budget.gpu / GiB:.2f} GiB (reserve {budget.reserve / GiB:.2f} GiB kept free)"
+    where = ("the H200's, estimated: planned off the GPU" if context == CONTEXT_ESTIMATE else "measured at start")
+    worst = max(CONTEXT_GROWTH, key=lambda g: g.growth)
+    return (f"card {budget.card / GiB:.2f} GiB = budget {budget.gpu / GiB:.2f} + CUDA context and cuBLAS workspace "
+            f"{context / GiB:.2f} ({where}) + card margin {CARD_MARGIN / GiB:.2f} (the context's growth measured on "
+            f"the {worst.device} only: {worst.growth / GiB:.2f}; not measured: {', '.join(UNMEASURED_GROWTH)}) + "
+            f"reserve {budget.reserve / GiB:.2f}")
+
+
+def card_needed(gpu: int, budget: Budget) -> int:
+    """The card size (what --vram takes) whose budget is `gpu` bytes, made the way `budget` was made: the plan's bytes +
+    the reserve + what the process holds outside the allocator (CUDA context, cuBLAS workspace, CARD_MARGIN)."""
+    return gpu + budget.reserve + budget.outside_allocator
+
+
+def vram_text(nbytes: int) -> str:
+    """`nbytes` as a --vram value that is at least that much: GiB rounded up to the hundredth ('2.87GiB')."""
+    return f"{-(-nbytes * 100 // GiB) / 100:.2f}GiB"
+
+
+def with_card(e: PlanError, budget: Budget) -> PlanError:
+    """The planner's rejection (it names the budget a node needs) with the card that budget takes: the --vram to type
+    (the budget is what is left of a card after the context, the margin and the reserve)."""
+    if e.needed <= e.budget or "min_vram" in e.extra:  # not a node too large for the budget, or said already
+        return e
+    need = card_needed(e.needed, budget)
+    text = vram_text(need)
+    msg = f"{e.message}; that is a card of at least {text[:-3]} GiB: plan with --vram {text} or larger"
+    details = (f"{e.details}; a card of C GiB leaves a budget of C - {(card_needed(0, budget)) / GiB:.2f} GiB (CUDA "
+               "context, card margin and reserve: docs/cards.md)")
+    out = PlanError(e.node, e.class_type, e.needed, e.budget, msg, details,
+                    {**e.extra, "min_card_bytes": need, "min_vram": text})
+    out.__cause__ = e.__cause__
+    return out
 
 
 _WORKSPACE: dict[tuple[int, int], int] = {}  # (device index, thread) -> bytes
@@ -164,12 +261,15 @@ def budget_for(device: Any, vram: str | int | None = None, reserve: str | int | 
         if cap:
             torch.cuda.set_per_process_memory_fraction(1.0, index)  # undo an earlier cap in this process
         return Budget(free + ours - workspace - CARD_MARGIN - res, host_bytes, None, res, outside + CARD_MARGIN)
-    if card > total:
-        raise ValueError(f"--vram {vram} is more than the device has ({total / GiB:.1f} GiB)")
+    asked, card = card, card_on_device(card, total, vram)
+    if card < asked:
+        log.info("--vram %s: the whole device (%.2f GiB; a card reports a little less than it is sold as)", vram,
+                 total / GiB)
     gpu = card_budget(card, outside, res)
     if gpu <= 0:
         raise ValueError(f"--vram {vram} leaves nothing: the CUDA context alone takes {outside / GiB:.2f} GiB, and "
-                         f"{(CARD_MARGIN + res) / GiB:.2f} GiB are kept free")
+                         f"{(CARD_MARGIN + res) / GiB:.2f} GiB are kept free; give a card larger than "
+                         f"{vram_text(outside + CARD_MARGIN + res)}")
     if cap:  # torch may hold the plan's bytes, the reserve (allocator rounding) and the BLAS workspace, no more
         torch.cuda.set_per_process_memory_fraction((gpu + res + workspace) / total, index)
     return Budget(gpu, host_bytes, card, res, outside + CARD_MARGIN)

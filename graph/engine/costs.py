@@ -18,11 +18,10 @@ from ..plan.planner import CostModel
 
 # The H200's measured constants (shared/reference/anchors-h200.json: pinned 55.33 GB/s, pageable 8.06 GB/s).
 H200 = CostModel()
-# The probe's bf16 matmul (PROBE_N x PROBE_N x PROBE_N) on the H200, FLOP/s. Not measured yet: estimated from the
-# transformer step the estimates are fitted on (klein-4B at 1024², 4608 tokens: about 4.2e13 FLOP in 0.083 s, so
-# 5.0e14 FLOP/s over the whole step, whose large matmuls run faster); `python3 bench/cost_probe.py` prints the
-# probe on a GPU, and this constant should be set to its H200 result.
-H200_MATMUL_FLOPS = 6.0e14
+# The probe's bf16 matmul (PROBE_N x PROBE_N x PROBE_N) on the H200, FLOP/s: bench/results/cost_probe.json's
+# "matmul_flops" (6.337e14), measured by bench/cost_probe.py at commit 5bdb2db (committed in 92ebbc6); before it, an
+# assumed 6.0e14 (the probe there gave compute 0.9468 against that). tests/test_constants.py reads the file.
+H200_MATMUL_FLOPS = 6.337e14
 PROBE_N = 4096
 PROBE_BYTES = 256 * 2**20
 

@@ -25,6 +25,7 @@ from ..workflow import estimate
 from ..workflow.errors import ValidationFailed
 from ..workflow.queue import digest
 from ..workflow.validate import Defaults, inputs_with_defaults, validate
+from .budget import with_card
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,11 @@ def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: 
         models.setdefault(key, m)
     # the planner only reads the graph: a copy is made only of the part that is not cached
     todo = check.dag.subgraph(n for n in check.dag.nodes if n not in done).copy() if done else check.dag
-    plan = planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, budget, cost,
-                        start or planner.Residency(), repeat=repeat)
+    try:
+        plan = planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, budget, cost,
+                            start or planner.Residency(), repeat=repeat)
+    except planner.PlanError as e:  # a node larger than the budget: say which card it needs (the --vram to type)
+        raise with_card(e, budget) from None
     return Prepared(prompt, check.dag, check.outputs, costs, sigs, done, plan)
 
 

@@ -39,10 +39,10 @@ if TYPE_CHECKING:
 
 GiB = 2**30
 # The share of the pinned host->GPU bandwidth (CostModel.h2d_pinned, one 2 GiB copy) that block-sized copies of
-# separate tensors reach while the other stream computes. Measured on the H200 by bench/streaming.py
-# (bench/results/streaming.json, "constants"): a klein-4B single block (234 MiB, 4 tensors) copies at 55.1 GB/s
-# alone (0.996 of the 55.35 GB/s of one 2 GiB copy); a copy and a 3.25 ms single-block compute side by side take
-# 4.94 ms, i.e. 49.7 GB/s of copy with the compute hidden: 0.897 of pinned.
+# separate tensors reach while the other stream computes. Measured on the H200 by bench/streaming.py at commit 02d12f9
+# (bench/results/streaming-02d12f9.json, "constants"; tests/test_constants.py reads it): a klein-4B single block
+# (234 MiB, 4 tensors) copies at 55.1 GB/s alone (0.996 of the 55.35 GB/s of one 2 GiB copy); a copy and a 3.25 ms
+# single-block compute side by side take 4.94 ms, i.e. 49.7 GB/s of copy with the compute hidden: 0.897 of pinned.
 STREAM_COPY_EFFICIENCY = 0.897
 SEEDS = 3  # the local search starts from the best few evenly spread candidates ...
 WIDE = 12  # ... and tries every swap, up to this many blocks; beyond, from the best one, swaps within 2 places

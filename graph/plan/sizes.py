@@ -26,8 +26,9 @@ class Sizes:
     """Byte sums of model sets and variants, and the block choices of streamed variants, memoised for one plan (the
     planner's inner loops ask often; variants and specs by identity: they live as long as the plan's costs)."""
 
-    def __init__(self, models: Mapping[str, ModelCost]) -> None:
+    def __init__(self, models: Mapping[str, ModelCost], blocks: residency.BlockCache | None = None) -> None:
         self.models = models
+        self.blocks = blocks or residency.BlockCache()  # the block choices, shared by the plans of one caller
         self._cache: dict[tuple[str, ...], int] = {}
         self._unique: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._blocks: dict[tuple[int, int, float], BlockPlan | None] = {}
@@ -104,11 +105,11 @@ class Sizes:
 
     def choose(self, v: Variant, room: int, bandwidth: float) -> BlockPlan | None:
         """residency.choose for the blocks of v, once per distinct spec and room: the nodes of a queue have equal
-        specs in distinct objects, and the cache behind residency.choose hashes and compares a whole spec per call."""
+        specs in distinct objects, and `blocks` (residency.BlockCache) hashes and compares a whole spec per call."""
         spec = self._canonical(v)
         key = (id(spec), room, bandwidth)
         if key not in self._blocks:
-            self._blocks[key] = residency.choose(spec, room, bandwidth)
+            self._blocks[key] = residency.choose(spec, room, bandwidth, self.blocks)
         return self._blocks[key]
 
     def _canonical(self, v: Variant) -> Any:

@@ -97,7 +97,7 @@ class Question(NamedTuple):
     """A remembered choice's question to the look ahead: the index of the variant that asked, and the answer (with
     the model asked about)."""
 
-    index: int
+    pick: int  # the variant's index in the node's variants
     answer: Answer
 
 
@@ -272,7 +272,7 @@ class FastGpuState(GpuState):
 
     def apply(self, node: int, nc: NodeCost, choice: Choice) -> Variant:
         """GpuState.apply, spelled out in one place (a queue applies a choice for most of its nodes)."""
-        v = self.chosen[node] = nc.variants[choice.index]
+        v = self.chosen[node] = nc.variants[choice.pick]
         resident, w, rows, steps, sizes = self.resident, self.w, self.rows, self.steps, self.sizes
         if choice.unload:
             why = f"makes room for {self.names[node]} ({nc.class_type})"
@@ -311,7 +311,7 @@ class FastGpuState(GpuState):
         run = steps.get(key)
         if run is None:
             run = steps[key] = Run(*key)
-        rows.append(Row(run, gpu_bytes, self.now, choice.seconds, choice.note, tuple(v.streams), bp))  # type: ignore[arg-type]
+        rows.append(Row(run, gpu_bytes, self.now, choice.seconds, choice.note, tuple(v.streams), bp))
         self.held_after[node] = self.held
         return v
 
@@ -378,7 +378,7 @@ class Recall:
         if got is None or not got.questions:
             return got.choice if got is not None else None
         for q in got.questions:
-            if self.state.evict_cost(q.answer.model, i, nc.variants[q.index]).seconds != q.answer.seconds:
+            if self.state.evict_cost(q.answer.model, i, nc.variants[q.pick]).seconds != q.answer.seconds:
                 return None
         if len(self.state.asked) > 1 and not alike(got.questions, self.state.asked):
             return None

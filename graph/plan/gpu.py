@@ -106,7 +106,7 @@ class Choice(NamedTuple):
     """What `weigh` chose for a node: the variant (its index), the models to unload first, its block plan if it
     streams, the kept part it takes over, its Run's seconds and note."""
 
-    index: int
+    pick: int  # the variant's index in the node's variants
     unload: tuple[str, ...]
     blocks: BlockPlan | None
     takes: str | None
@@ -119,7 +119,7 @@ class Option(NamedTuple):
 
     seconds: float  # predicted, with the loads and reloads it causes
     copied: int  # bytes it copies host->GPU
-    index: int
+    pick: int  # the variant's index in the node's variants
     unload: list[str]
     blocks: BlockPlan | None
     read: float  # seconds reading a streamed model's file the first time
@@ -358,23 +358,23 @@ class GpuState:
         best = fastest = min(options, key=lambda o: o.seconds)  # (the first of equals)
         if len(options) > 1:
             best = min((o for o in options if o.seconds <= fastest.seconds * (1 + TIE) and o.copied < fastest.copied),
-                       key=lambda o: (o.copied, o.seconds, o.index), default=fastest)
-        tie = None if best is fastest else Tie(nc.variants[fastest.index].name, fastest.seconds,
+                       key=lambda o: (o.copied, o.seconds, o.pick), default=fastest)
+        tie = None if best is fastest else Tie(nc.variants[fastest.pick].name, fastest.seconds,
                                                fastest.copied - best.copied)
-        v, bp = nc.variants[best.index], best.blocks
+        v, bp = nc.variants[best.pick], best.blocks
         note: str | RunNote = v.note
         if bp is not None or v is not nc.variants[0] or tie:
             label = self.sizes.models[bp.model].name if bp is not None else ""
             note = RunNote(v, nc.variants[0], bp, label, best.seconds, tuple(priced), tie)
         secs = bp.seconds + best.read if bp is not None else self.cm.run_seconds(v)
-        return Choice(best.index, tuple(best.unload), bp, best.takes, secs, note)
+        return Choice(best.pick, tuple(best.unload), bp, best.takes, secs, note)
 
     # -------------------------------------------------------------------------------------------- applying
 
     def apply(self, node: int, nc: NodeCost, choice: Choice) -> Variant:
         """The rows of a choice: its Unloads, the Loads of its missing models (with a pinned copy where pass 2 gave
         it one), its Run; a streamed node leaves its resident part on the GPU as a kept part."""
-        v = self.chosen[node] = nc.variants[choice.index]
+        v = self.chosen[node] = nc.variants[choice.pick]
         for m in choice.unload:
             self.unload(m, f"makes room for {self.names[node]} ({nc.class_type})")
         for m in self.sizes.unique(v.models):

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import networkx as nx
 
@@ -103,8 +104,8 @@ class PlanContext:
     blocks: BlockCache = field(default_factory=BlockCache)
 
 
-Dependencies = nx.DiGraph | Mapping[str, Iterable[str]]  # a DAG with edges u->v where v reads u's output, or per node
-#                                                          the nodes whose outputs it reads (its inputs' sources)
+# A DAG with edges u->v where v reads u's output, or per node the nodes whose outputs it reads (its inputs' sources)
+Dependencies: TypeAlias = nx.DiGraph | Mapping[str, Iterable[str]]
 
 
 def as_dag(dependencies: Dependencies) -> nx.DiGraph:

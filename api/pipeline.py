@@ -419,7 +419,7 @@ class Pipeline:
         prep, _ = self.planned(workflow, vram=sizes[0], size=size, set=set, prompts=prompts)
         node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
         placed = placement.place(prep.dag, node_costs, models, [placement.Device(n, b) for n, b in budgets.items()],
-                                 outputs=prep.outputs)
+                                 outputs=prep.outputs, context=self._planner(sizes[0]).context)
         return prep, placed, {n: b.card for n, b in budgets.items()}
 
     def _planner(self, vram: str | int | None) -> Any:

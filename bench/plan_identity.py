@@ -1,7 +1,8 @@
 """Whether this checkout's planner makes the same plans as another checkout's, step and note, over a matrix of cells.
 
-    python3 bench/plan_identity.py --against OLD_CHECKOUT [--cards 6,8,10,12,16,24] [--sizes 512,1024,1536,2048]
-                                   [--queues 1,2,8,64] [--hosts 64GiB,19GB,6GB] [--profiles h200,rtx3060]
+    python3 bench/plan_identity.py (--against OLD_CHECKOUT | --reference) [--cards 6,8,10,12,16,24]
+                                   [--sizes 512,1024,1536,2048] [--queues 1,2,8,64] [--hosts 64GiB,19GB,6GB]
+                                   [--profiles h200,rtx3060]
                                    [--workflows all]
 
 A change to the planner that is meant to make it faster, not different, is checked with this: every cell (workflow x
@@ -10,7 +11,9 @@ plan the same inputs three ways: cold (nothing resident), warm (from the cold pl
 without repeat. Two plans are the same when every step (its kind and fields, GPU bytes, resident models, seconds,
 note, streams and block plan, by their reprs), the end residency and the budget are. A rejected cell must be rejected
 by both with the same message. Prints each cell that differs and a summary; exits 1 if any does.
-(`git worktree add /tmp/old/vramgraph <commit>` makes the other checkout.)
+(`git worktree add /tmp/old/vramgraph <commit>` makes the other checkout.) `--reference` compares this checkout's
+fast path with its own reference planner instead (graph/plan/planner.py `PlanContext(reference=True)`: every node
+weighed by graph/plan/gpu.py's rules, every pass run).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ def _convert(obj, mod):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--against", required=True, help="another checkout of this repository")
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--against", help="another checkout of this repository")
+    group.add_argument("--reference", action="store_true", help="this checkout's reference planner")
     ap.add_argument("--cards", default="6,8,10,12,16,24")
     ap.add_argument("--sizes", default="512,1024,1536,2048")
     ap.add_argument("--queues", default="1,2,8,64")
@@ -58,7 +63,7 @@ def main() -> None:
     from vramgraph.graph.plan import planner
     from vramgraph.graph.workflow import estimate, queue
 
-    other = planner_of(_other(a.against))
+    other = _reference(planner) if a.reference else planner_of(_other(a.against))
     plan_cells.demo_inputs()
     workflows = plan_cells.WORKFLOWS if a.workflows == "all" else tuple(a.workflows.split(","))
     cells = differ = rejected = 0
@@ -141,6 +146,16 @@ def _random_graphs(count: int, planner, other, estimate, queue, workflows, promp
             print(f"DIFFERS: random graph {seed} ({n} nodes, {card} GiB)", flush=True)
     print(f"(of the random graphs, {raised} were rejected by both planners alike)")
     return bad
+
+
+def _reference(planner):
+    """This checkout's planner module as the reference: plan() with PlanContext(reference=True)."""
+    import functools
+    import types
+
+    ref = types.SimpleNamespace(**vars(planner))
+    ref.plan = functools.partial(planner.plan, context=planner.PlanContext(reference=True))
+    return ref
 
 
 def _plans(planner, dag, costs, models, budget, cost) -> list:

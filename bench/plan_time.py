@@ -56,6 +56,15 @@ def pipeline_of(pkg):
         return importlib.import_module(f"{pkg.__name__}.graph.api").Pipeline
 
 
+def _context(planner, cold: bool) -> dict:
+    """plan()'s `context` argument as a caller that plans again holds it (graph/plan/planner.py `PlanContext`: the block
+    choices of the calls before, as an engine keeps them); none where `cold` (a fresh one per call), nor for a planner
+    from before it (whose block choices were cached for the process)."""
+    if cold or not hasattr(planner, "PlanContext"):
+        return {}
+    return {"context": planner.PlanContext()}
+
+
 def _timed(call, repeat: int) -> list[float]:
     times = []
     for _ in range(repeat):
@@ -76,6 +85,8 @@ def main() -> None:
     ap.add_argument("--against", default=None, help="another checkout whose planner is timed alongside")
     ap.add_argument("--out", default=None, help="also write the rows and a summary as JSON")
     ap.add_argument("--prepare", type=int, default=0, help="calls of the whole of planning to time (0: none)")
+    ap.add_argument("--cold", action="store_true", help="a fresh PlanContext per call: no block choice remembered "
+                    "from the call before (an engine keeps one context for all its plans)")
     a = ap.parse_args()
     plan_cells._import()
     from vramgraph.graph.plan import planner
@@ -95,7 +106,8 @@ def main() -> None:
                 prep = planning.prepare(merged.prompt)
                 node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
                 costs = {k: node_costs[k] for k in prep.dag.nodes}
-                ours = functools.partial(planner.plan, prep.dag, costs, models, planning.budget, planning.cost)
+                ours = functools.partial(planner.plan, prep.dag, costs, models, planning.budget, planning.cost,
+                                         **_context(planner, a.cold))
                 p = ours()
                 row = {"workflow": wf, "prompts": a.prompts, "card_gib": card, "side": side, "nodes": len(prep.dag),
                        "loads": p.loads}
@@ -106,7 +118,8 @@ def main() -> None:
                                              for f in dataclasses.fields(planning.budget)})
                     cost = other.CostModel(**{f.name: getattr(planning.cost, f.name)
                                               for f in dataclasses.fields(planning.cost)})
-                    theirs = functools.partial(other.plan, prep.dag, costs, models, budget, cost)
+                    theirs = functools.partial(other.plan, prep.dag, costs, models, budget, cost,
+                                               **_context(other, a.cold))
                     times, against = [], []
                     for _ in range(a.repeat):  # alternately, so that both see the same drift
                         times += _timed(ours, 1)

@@ -66,30 +66,55 @@ WEB = ROOT / "web"
 def add_comfy_routes(routes: web.RouteTableDef) -> None:
     """Inside ComfyUI (called by the pack's __init__): POST /vramgraph/plan for the front-end panel.
 
-    The planning engine is made on first use from ComfyUI's folders and device; it plans with the files'
-    real sizes, or the built-in klein sizes when a file is absent, and ComfyUI's node types we do not implement
-    with stand-ins (nodes/foreign.py). It runs nothing.
+    The planning context (graph/engine/planning.py `Planning`, torch-free: no Engine) is made on first use from
+    ComfyUI's folders and device; it plans with the files' real sizes, or the built-in klein sizes when a file is
+    absent, and ComfyUI's node types we do not implement with stand-ins (nodes/foreign.py), within what ComfyUI
+    has free at each request (`_comfy_budget`). It runs nothing, and touches neither ComfyUI's allocator nor the
+    GPU: no cap set, no probe run (the H200's costs, named as assumed).
     """
     made: list[Any] = []
     lock = threading.Lock()
 
     def planner() -> Any:
+        device = str(_comfy_device())
         if not made:  # on the first plan, when ComfyUI has loaded its nodes and every pack's
-            from ..graph.engine.executor import Engine
+            from ..graph.engine.planning import Planning
+            from ..graph.plan.planner import CostModel
             from ..nodes import ENGINE_NODES
+            from ..nodes.catalog import ModelCatalog
             from ..nodes.comfy import comfy_folders
             from ..nodes.foreign import comfy_stand_ins
 
             # a graph there mixes our nodes with ComfyUI's: the core types we implement are planned as ours, the
             # others by stand-ins made from ComfyUI's own declarations (nodes/foreign.py), named in the answer
             nodes = {**comfy_stand_ins(ENGINE_NODES), **ENGINE_NODES}
-            made.append(Engine(comfy_folders(), device=str(_comfy_device()), allow_builtin=True, nodes=nodes))
+            folders = comfy_folders()
+            dtype = "bf16" if device.startswith("cuda") else "fp32"
+            made.append(Planning(folders, ModelCatalog(folders, dtype, allow_builtin=True), _comfy_budget(device),
+                                 nodes, CostModel(name="h200, assumed: the panel runs nothing on ComfyUI's GPU")))
+        else:
+            made[0].budget = _comfy_budget(device)  # (under the lock: plan_response holds it)
         return made[0]
 
     async def plan(request: web.Request) -> web.Response:
         return await plan_response(request, planner, lock)
 
     routes.post("/vramgraph/plan")(plan)
+
+
+def _comfy_budget(device: str) -> Any:
+    """What ComfyUI has free on its device now (comfy.model_management.get_free_memory, which counts torch's free
+    cache too), less the card margin and the reserve: read, never set. Off CUDA, host memory (budget_for)."""
+    from ..graph.engine.budget import CARD_MARGIN, HOST_MARGIN, budget_for, host_available
+    from ..graph.plan.planner import DEFAULT_RESERVE, Budget, GiB
+
+    if not device.startswith("cuda"):
+        return budget_for(device)
+    import comfy.model_management as mm  # type: ignore[import-not-found]
+
+    free = int(mm.get_free_memory(mm.get_torch_device()))
+    return Budget(max(0, free - CARD_MARGIN - DEFAULT_RESERVE), max(GiB, host_available() - HOST_MARGIN), None,
+                  DEFAULT_RESERVE, CARD_MARGIN)
 
 
 def _comfy_device() -> Any:

@@ -201,6 +201,42 @@ def test_plan_route_is_added_to_comfyui_server(pack):
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "missing_node_type"
 
 
+def test_plan_panel_builds_no_engine_and_plans_within_comfyuis_free_memory(pack, monkeypatch):
+    """The panel plans torch-free (graph/engine/planning.py `Planning`): it builds no Engine, which would cap
+    ComfyUI's allocator and probe its GPU, and on CUDA plans within what ComfyUI says is free, less the margins."""
+    import importlib
+
+    from aiohttp import web
+
+    executor = importlib.import_module(pack.__name__ + ".graph.engine.executor")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the panel built an Engine")
+
+    monkeypatch.setattr(executor.Engine, "__init__", refused)
+    app = web.Application()
+    app.add_routes(pack.stubs["server"].PromptServer.instance.routes)
+    prompt = json.loads((ROOT / "workflows" / "text_to_image.json").read_text())
+    prompt["5"]["inputs"].update(width=64, height=64)
+    import requests
+
+    server_app = sys.modules[pack.__name__ + ".server.app"]
+    with server_app.ServerThread(app) as srv:
+        r = requests.post(srv.url + "/vramgraph/plan", json={"prompt": prompt}, timeout=60)
+        assert r.status_code == 200, r.text
+    budget = importlib.import_module(pack.__name__ + ".graph.engine.budget")
+    asked = []
+
+    def free(dev=None):
+        asked.append(dev)
+        return 9 * 2**30
+
+    monkeypatch.setattr(pack.stubs["comfy.model_management"], "get_free_memory", free, raising=False)
+    got = server_app._comfy_budget("cuda:0")
+    assert asked and got.card is None
+    assert got.gpu == 9 * 2**30 - budget.CARD_MARGIN - budget.DEFAULT_RESERVE
+
+
 def test_plan_panel_plans_graphs_that_mix_vg_and_comfyui_nodes(pack):
     """VG nodes beside ComfyUI's: the core types we implement (LoadImage, SaveImage, PreviewImage, ...) are planned
     as ours, the others by stand-ins from ComfyUI's declarations, and the answer names them."""

@@ -2,7 +2,7 @@
 grids of cases: the streaming pipeline's time and the choice of resident blocks (graph/plan/residency.py), the pass that
 finishes images early (graph/plan/early.py), pass 3's look ahead for evictions (graph/plan/assign.py `NextUse`), and the
 plans of real queues with pass 3's remembered choices and the passes left out against every node weighed and every
-pass run (`planner._SHORTCUTS`).
+pass run (`planner.PlanContext(reference=True)`).
 
 The references below are the earlier code, kept as it was: slow and obvious. Pure (no torch); no timing here.
 """
@@ -373,10 +373,10 @@ def test_remembered_choices_are_the_choices_of_weighing_every_node(tmp_path: Pat
     planning, prep, costs, models = queued(tmp_path, monkeypatch, workflow, card_gib, side, 8,
                                            "9GiB" if host == "HOST" else host)
 
-    def plans() -> list:
-        first = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
-        warm = planner.plan(prep.dag, costs, models, planning.budget, planning.cost, first.end)
-        once = planner.plan(prep.dag, costs, models, planning.budget, planning.cost, repeat=False)
+    def plans(context: planner.PlanContext | None = None) -> list:
+        first = planner.plan(prep.dag, costs, models, planning.budget, planning.cost, context=context)
+        warm = planner.plan(prep.dag, costs, models, planning.budget, planning.cost, first.end, context=context)
+        once = planner.plan(prep.dag, costs, models, planning.budget, planning.cost, repeat=False, context=context)
         return [(_steps(p), p.end) for p in (first, warm, once)]
 
     remembered = plans()
@@ -391,8 +391,7 @@ def test_remembered_choices_are_the_choices_of_weighing_every_node(tmp_path: Pat
     monkeypatch.setattr(assign, "assign", counted)
     assert plans() == remembered
     n = len(passes)
-    monkeypatch.setattr(planner, "_SHORTCUTS", False)  # every node weighed, every pass run
-    assert plans() == remembered
+    assert plans(REFERENCE) == remembered  # every node weighed, every pass run
     assert not any(passes[:n]) and all(passes[n:]) and len(passes) >= n  # (None: nothing remembered)
 
 
@@ -412,8 +411,8 @@ def test_a_remembered_eviction_is_weighed_again_where_the_next_uses_rank_the_oth
     budget = planner.Budget(int(4.5 * g), 64 * 2**30)
     start = planner.Residency(frozenset({"P", "Q"}), frozenset({"P", "Q", "X"}))
 
-    def unloads() -> list[tuple[str, str]]:
-        p = planner.plan(dag, costs, models, budget, planner.CostModel(), start, repeat=False)
+    def unloads(context: planner.PlanContext | None = None) -> list[tuple[str, str]]:
+        p = planner.plan(dag, costs, models, budget, planner.CostModel(), start, repeat=False, context=context)
         return [(s.note.split()[-2], s.step.model) for s in p.steps if s.step.kind == "unload"]
 
     got = unloads()
@@ -421,14 +420,12 @@ def test_a_remembered_eviction_is_weighed_again_where_the_next_uses_rank_the_oth
     assert _weighing_every_node(unloads) == got
 
 
-def _weighing_every_node(call: Callable[[], Any]) -> Any:
-    """call() with every node weighed and every pass run (planner._SHORTCUTS off)."""
-    shortcuts = planner._SHORTCUTS
-    try:
-        planner._SHORTCUTS = False
-        return call()
-    finally:
-        planner._SHORTCUTS = shortcuts
+REFERENCE = planner.PlanContext(reference=True)
+
+
+def _weighing_every_node(call: Callable[[planner.PlanContext], Any]) -> Any:
+    """call() with every node weighed and every pass run (the reference planner)."""
+    return call(REFERENCE)
 
 
 @pytest.mark.parametrize("last", ["s2", "x"])
@@ -452,8 +449,8 @@ def test_a_steady_choice_is_taken_again_only_where_the_look_ahead_answers_alike(
     costs = {n: planner.NodeCost(n, "Node", (v,)) for n, v in uses.items()}
     budget = planner.Budget(4000 * MB, 64 * 2**30)
 
-    def planned() -> planner.Plan:
-        return planner.plan(dag, costs, models, budget, repeat=False)
+    def planned(context: planner.PlanContext | None = None) -> planner.Plan:
+        return planner.plan(dag, costs, models, budget, repeat=False, context=context)
 
     p = planned()
     assert [s.note.split()[-2] for s in p.steps if s.step.kind == "unload" and s.step.model == "vae"] == ["s2"]
@@ -544,8 +541,7 @@ def test_orders_that_differ_only_where_images_load_are_planned_once(tmp_path: Pa
     once = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
     assert len(candidates) == 2
     candidates.clear()
-    monkeypatch.setattr(planner, "_SHORTCUTS", False)
-    every = planner.plan(prep.dag, costs, models, planning.budget, planning.cost)
+    every = planner.plan(prep.dag, costs, models, planning.budget, planning.cost, context=REFERENCE)
     assert len(candidates) == 3 and _steps(every) == _steps(once)
 
 

@@ -178,7 +178,7 @@ class Devices:
         devices = [placement.Device(name, e.budget) for name, e in self.engines.items()]
         starts = {name: e.ledger.residency() for name, e in self.engines.items()}
         placed = placement.place(todo, {n: node_costs[n] for n in todo.nodes}, models, devices, self.first.cost,
-                                 starts, repeat=repeat, outputs=prep.outputs)
+                                 starts, repeat=repeat, outputs=prep.outputs, context=self.first.planning)
         return prep, placed
 
     def run(self, prompt: dict | Prepared, *, extra_pnginfo: dict | None = None, prompt_id: str | None = None,

@@ -305,6 +305,7 @@ class Engine:
         # reads the device's free memory before each prompt and planned load (graph/engine/budget.py: the live budget)
         self.probe = probe if probe is not None else cuda_probe(self.device) if self.device.type == "cuda" else None
         self.cost = cost or cost_for(self.device)  # a CUDA device is probed; elsewhere the H200's, named as assumed
+        self.planning = planner.PlanContext()  # what this engine's plans share (the planner's caches)
         self._cache: dict[str, tuple] = {}  # signature -> outputs of the last runs
         self._interrupt = threading.Event()
         self._lock = threading.Lock()
@@ -405,7 +406,7 @@ class Engine:
         resident = self.ledger.model_costs()
         return prepare(prompt, self.nodes, self.folders, self.catalog, budget, self.cost, repeat=repeat,
                        outputs=outputs, cached=self._cache.keys(),
-                       start=self.ledger.residency(), resident=resident)
+                       start=self.ledger.residency(), resident=resident, context=self.planning)
 
     # -- running
     def _blas_workspace(self) -> None:
@@ -501,7 +502,7 @@ class Engine:
         for key, m in self.ledger.model_costs().items():
             models.setdefault(key, m)
         plan = planner.plan(todo, {n: costs[n] for n in todo.nodes}, models, budget, self.cost,
-                            self.ledger.residency())
+                            self.ledger.residency(), context=self.planning)
         new = dataclasses.replace(prep, plan=plan)
         if self._cuts is not None:
             self._cuts.prep, self._cuts.step = new, 0

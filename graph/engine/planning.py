@@ -91,12 +91,13 @@ def _model_names(prompt: Any) -> frozenset[str]:
 def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: ModelCatalog, budget: planner.Budget,
             cost: planner.CostModel, *, repeat: bool = True, cached: Collection[str] = (),
             start: planner.Residency | None = None, resident: Mapping[str, planner.ModelCost] | None = None,
-            outputs: Iterable[str] | None = None) -> Prepared:
+            outputs: Iterable[str] | None = None, context: planner.PlanContext | None = None) -> Prepared:
     """Validate, estimate and plan `prompt` (API format). Raises ValidationFailed or planner.PlanError.
 
     `cached`: signatures whose outputs the caller holds (those nodes are not planned); `start`: where weights
     are now; `resident`: models held from earlier prompts (the planner may have to evict them); `outputs`: the
-    output nodes to run (ComfyUI's partial_execution_targets), None for all."""
+    output nodes to run (ComfyUI's partial_execution_targets), None for all; `context`: the caller's planner context
+    (graph/plan/planner.py `PlanContext`: its caches)."""
     shown = folders
     if catalog.allow_builtin:  # planning without weights: a named model file is taken as present
         shown = _AssumedFiles(**{f.name: getattr(folders, f.name) for f in dataclasses.fields(Folders)},
@@ -116,7 +117,7 @@ def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: 
     todo = check.dag.subgraph(n for n in check.dag.nodes if n not in done).copy() if done else check.dag
     try:
         plan = planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, budget, cost,
-                            start or planner.Residency(), repeat=repeat)
+                            start or planner.Residency(), repeat=repeat, context=context)
     except planner.PlanError as e:  # a node larger than the budget: say which card it needs (the --vram to type)
         raise with_card(e, budget) from None
     return Prepared(prompt, check.dag, check.outputs, costs, sigs, done, plan)
@@ -131,6 +132,8 @@ class Planning:
     budget: planner.Budget
     nodes: Mapping[str, type] = field(default_factory=lambda: dict(ENGINE_NODES))
     cost: planner.CostModel = field(default_factory=planner.CostModel)
+    context: planner.PlanContext = field(default_factory=planner.PlanContext)  # what its plans share
 
     def prepare(self, prompt: dict, *, repeat: bool = True) -> Prepared:
-        return prepare(prompt, self.nodes, self.folders, self.catalog, self.budget, self.cost, repeat=repeat)
+        return prepare(prompt, self.nodes, self.folders, self.catalog, self.budget, self.cost, repeat=repeat,
+                       context=self.context)

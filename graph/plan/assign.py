@@ -1,5 +1,11 @@
 """Passes 2 and 3 of the planner (graph/plan/planner.py): the pinned host copies, and residency and variants along a
-fixed order, with the look ahead for evictions and the choices remembered for a queue's repeated nodes.
+fixed order.
+
+Pass 3 walks the order with the rules of graph/plan/gpu.py (`GpuState`, the reference). Its fast path (`Recall`,
+where `Memo.known` is not None) changes no choice, only how often a node is weighed: a queue's nodes repeat, and a node
+of the same kind that finds the GPU as an earlier one found it, and whose look ahead answers alike, takes the earlier
+choice; the look ahead answers from a table per model (`NextUse`) instead of walking the order. tests/
+test_plan_reference.py checks it plan for plan against the reference.
 
 Pure: it sees sizes and predicted seconds (graph/plan/types.py), never tensors.
 """
@@ -7,39 +13,29 @@ Pure: it sees sizes and predicted seconds (graph/plan/types.py), never tensors.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
-from . import residency
+from .gpu import INF, PINNING, TIE, Answer, Choice, GpuState, LookAhead, Row, RunNote, Use
 from .order import Shape
-from .residency import BlockPlan
-from .sizes import Sizes
-from .types import Budget, CostModel, Load, NodeCost, PlannedStep, Residency, Run, Unload, gib
+from .types import Budget, CostModel, Load, NodeCost, PlannedStep, Residency, Run, Unload
 
 if TYPE_CHECKING:
     from ...nodes.types import Variant
+    from .residency import BlockPlan
+    from .sizes import Sizes
 
-_INF = math.inf
-_PINNING = ", pinned while loading"  # a Load's note, after the node it is for, where it makes a pinned copy
-TIE = 0.001  # variants whose predicted seconds are this close (relative) count as equally fast: the one that copies
-#              fewer bytes host->GPU wins (a stream that copies 1.5x the bytes for 0.01 % less predicted time is
-#              within the prediction's error, and its bytes are real: the link's power and other processes' copies)
-
-
-_FIELDS = {kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in (Load, Unload, Run)}
-# Assigned.steps fills these fields by name, without the dataclasses' __init__
-assert _FIELDS[Run] == ("node", "variant") and tuple(f.name for f in dataclasses.fields(PlannedStep)) == (
-    "step", "gpu_bytes", "resident", "seconds", "note", "streams", "blocks")
+__all__ = ["TIE", "Assigned", "Memo", "NextUse", "alike", "assign", "choose_pins"]
 
 
 @dataclass
 class Assigned:
-    rows: list[tuple]  # each step as (Run/Load/Unload, its fields, then PlannedStep's other fields, the note perhaps
-    #                    as _run_note's arguments): plan() makes steps only of the pass it returns
+    """One pass 3: its rows (plan() makes steps only of the pass it returns) and what the passes after it read."""
+
+    rows: list[Row]
     order: list[int]  # the nodes (graph/plan/order.py `Shape` numbers) in their order
-    chosen: list[Variant]  # per node: its variant
+    chosen: list[Variant]  # the chosen variants
     end: Residency
     loads: Counter[str]
     unloaded: set[str]  # models an Unload step frees
@@ -48,54 +44,38 @@ class Assigned:
     held_after: list[int]  # per node: the bytes of the weights resident after it
     held_start: int  # ... and at the start
 
+    @property
+    def streams(self) -> bool:
+        """Whether a node of this pass streams a model block by block."""
+        return any(r.blocks is not None for r in self.rows)
+
     def steps(self, shape: Shape, cm: CostModel, start: tuple[str, ...]) -> tuple[PlannedStep, ...]:
         """The plan's steps, with the nodes that need nothing (plan/order.py `Shape`) where they run: before the first
         node (on the GPU as it is at the start, `start`) or right after the node they waited for."""
-        notes: dict[int, str] = {}  # _run_note of each arguments tuple (the nodes of a remembered choice share one)
+        notes: dict[int, str] = {}  # each RunNote written out once (the nodes of a remembered choice share one)
         first, followers = shape.expand(self.order)
-        held_after, order, free_names, free_costs = self.held_after, self.order, shape.free_names, shape.free_costs
         out: list[PlannedStep] = []
-        new = object.__new__  # (steps are frozen dataclasses without __post_init__, made without their __init__, which
-        #                        sets each field through object.__setattr__, at a quarter of the time: a queue of 64
-        #                        prompts makes a thousand)
 
         def run_free(nodes: list[int], held: int, res: tuple[str, ...]) -> None:
             for f in nodes:
-                v = free_costs[f].variants[0]
-                s = new(Run)
-                d = s.__dict__
-                d["node"], d["variant"] = free_names[f], v.name
-                p = new(PlannedStep)
-                d = p.__dict__
-                d["step"], d["gpu_bytes"], d["resident"], d["seconds"] = s, held, res, cm.run_seconds(v)
-                d["note"], d["streams"], d["blocks"] = v.note, (), None
-                out.append(p)
+                v = shape.free_costs[f].variants[0]
+                out.append(PlannedStep(Run(shape.free_names[f], v.name), held, res, cm.run_seconds(v), v.note))
 
         if first:
             run_free(first, self.held_start, start)
-        r = 0  # Runs so far
-        for kind, args, gpu, res, secs, note, streams, bp in self.rows:
-            if note.__class__ is not str:
-                got = notes.get(id(note))
-                if got is None:
-                    got = notes[id(note)] = _run_note(*note)
-                note = got
-            s = new(kind)
-            d = s.__dict__
-            if kind is Run:
-                d["node"], d["variant"] = args
-            else:
-                d.update(zip(_FIELDS[kind], args, strict=True))
-            p = new(PlannedStep)
-            d = p.__dict__
-            d["step"], d["gpu_bytes"], d["resident"], d["seconds"] = s, gpu, res, secs
-            d["note"], d["streams"], d["blocks"] = note, streams, bp
-            out.append(p)
-            if kind is Run:
-                n = order[r]
-                r += 1
+        runs = iter(self.order)
+        for r in self.rows:
+            note = r.note
+            if isinstance(note, RunNote):
+                text = notes.get(id(note))
+                if text is None:
+                    text = notes[id(note)] = note.text()
+                note = text
+            out.append(PlannedStep(r.step, r.gpu_bytes, r.resident, r.seconds, note, r.streams, r.blocks))
+            if isinstance(r.step, Run):
+                n = next(runs)
                 if n in followers:
-                    run_free(followers[n], held_after[n], res)
+                    run_free(followers[n], self.held_after[n], r.resident)
         return tuple(out)
 
     def repinned(self, pins: frozenset[str]) -> Assigned:
@@ -106,41 +86,54 @@ class Assigned:
         pass 3 asks whether a model has a pinned copy only to price its reload, its stream or its eviction, and a model
         outside `pins` has a copy here only once loaded; loaded, it stays, so nothing asks, and every choice is the
         same."""
-        rows = [(Load, (r[1][0], "file", False), r[2], r[3], r[4], r[5].removesuffix(_PINNING), r[6], r[7])
-                if r[0] is Load and r[1][2] and r[1][0] not in pins else r for r in self.rows]
+        rows = [dataclasses.replace(r, step=Load(r.step.model, "file", False), note=str(r.note).removesuffix(PINNING))
+                if isinstance(r.step, Load) and r.step.pin and r.step.model not in pins else r for r in self.rows]
         end = Residency(self.end.gpu, self.end.pinned & pins, self.end.kept)
         return Assigned(rows, self.order, self.chosen, end, self.loads, self.unloaded, self.moved, self.weighed,
                         self.held_after, self.held_start)
 
 
-def _run_note(v: Variant, first: Variant, bp: BlockPlan | None, label: str, t: float,
-              options: list[tuple[Variant, float | None]], tie: tuple[str, float, int] | None) -> str:
-    """A Run's note: the variant's own, what it streams, what it was chosen over when it is not the first, and, where
-    it is not the fastest, the near tie that it won by copying fewer bytes (`tie`: the fastest's name, seconds, and
-    the bytes more it copies)."""
-    parts = [v.note] if v.note else []
-    if bp is not None:
-        parts.append(bp.describe(label))
-    if v is not first or tie:
-        alts = ", ".join([f"{a.name}: does not fit" if ta is None else f"{a.name}: {ta:.3f} s"
-                          for a, ta in options if a is not v])
-        parts.append(f"chosen at {t:.3f} s over {alts}")
-    if tie:
-        parts.append(f"{tie[0]} is within {TIE:.1%} of it and would copy {gib(tie[2])} GiB more")
-    return "; ".join(parts)
+class Question(NamedTuple):
+    """A remembered choice's question to the look ahead: the index of the variant that asked, and the answer (with
+    the model asked about)."""
+
+    pick: int  # the variant's index in the node's variants
+    answer: Answer
+
+
+class Known(NamedTuple):
+    choice: Choice
+    questions: tuple[Question, ...]
+
+
+@dataclass(slots=True)
+class Steady:
+    """A node that left the GPU as it found it: the resident models and pinned copies (by identity), where its look
+    ahead's answers came from (per answer the model's table and the position of its next use) and its position, its
+    variant, the bytes it uploaded, its row. (Slotted, as Row.)"""
+
+    now: tuple[str, ...]
+    copies: frozenset[str]
+    targets: tuple[tuple[list[int], int], ...]
+    at: int
+    variant: Variant
+    uploaded: int
+    row: Row
 
 
 @dataclass
 class Memo:
     """What the passes 3 of one plan share: each node's kind (`node_kinds`), the choices remembered by kind and state
-    (`known`; None: weigh every node) and the look ahead's tables ((id(order), model) -> (order, table))."""
+    (`known`; None: the reference, every node weighed and the look ahead walked) and the look ahead's tables
+    ((id(order), model) -> (order, table))."""
 
     kinds: list[int]  # per node (a number)
-    known: dict[tuple, tuple] | None = field(default_factory=dict)
+    known: dict[tuple[int, tuple[str, ...], frozenset[str]], Known] | None = field(default_factory=dict)
     tables: dict[tuple[int, str], tuple[list[int], list[int]]] = field(default_factory=dict)
     orders: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)  # id(order) -> (order, the kinds
     #                                                                                  of its nodes)
     some: dict[int, int] = field(default_factory=dict)  # a node of each kind
+    steps: dict[tuple[str, ...], Run | Load | Unload] = field(default_factory=dict)  # the step records made so far
 
     def along(self, order: list[int]) -> list[int]:
         """The kinds of `order`'s nodes."""
@@ -153,46 +146,27 @@ class Memo:
         return got[1]
 
 
-class NextUse:
-    """Pass 3's look ahead for evicting model m at position i: the first node after i, in this run and then (with
-    `repeat`) in the next, whose variant uses m or cannot fit beside it, and its distance. The nodes after i have
-    their provisional variant (none is chosen yet), the ones before i their chosen one, which stays as it is; so a
-    table per model answers the first part and a mark per model the second, where a walk along the order would do it
-    for every eviction. Ask with positions that never go down, as pass 3 does."""
+class NextUse(LookAhead):
+    """The look ahead from tables: the nodes after i have their provisional variant, so a table per model (shared by
+    the passes of one plan through `memo`) answers the first part; the ones before i have their chosen one, which
+    stays as it is, so a mark per model answers the second. Ask with positions that never go down, as pass 3 does.
+    Records where each answer came from (`targets`) for `Recall`."""
 
     def __init__(self, order: list[int], prov: list[Variant], sizes: Sizes, gpu: int, repeat: bool,
                  memo: Memo) -> None:
-        self.order, self.prov, self.sizes, self.gpu, self.repeat, self.memo = order, prov, sizes, gpu, repeat, memo
+        super().__init__(order, prov, sizes, gpu, repeat)
+        self.memo = memo
         self.ahead: dict[str, list[int]] = {}  # m -> per position, the first at or after it whose provisional variant
         #                                        meets m (len(order): none)
-        self.behind: dict[str, list[Any]] = {}  # m -> [the first position whose chosen variant meets m, or None;
-        #                                          the positions looked at]
-
-    def meets(self, m: str, v: Variant) -> bool | None:
-        """True: v uses m; False: v and m cannot fit together (or m is a kept part of a model v loads whole);
-        None: neither."""
-        sizes = self.sizes
-        if sizes.uses(m, v):
-            return True
-        return False if sizes.excludes(m, v) or sizes.weights(v.models) + sizes.w(m) + v.activation > self.gpu \
-            else None
+        self.behind: dict[str, tuple[int | None, int]] = {}  # m -> (the first position whose chosen variant meets m,
+        #                                                       or None; the positions looked at)
+        self.targets: list[tuple[list[int], int]] = []  # per answer: the table and the next use (-1: the next run)
 
     def _table(self, m: str) -> list[int]:
-        """Per position, the first at or after it whose provisional variant meets m (meets, spelled out: a kept part
-        meets the nodes that stream its model and those that load it whole); len(order) for none."""
+        """Per position, the first at or after it whose provisional variant meets m; len(order) for none."""
         order, n = self.order, len(self.order)
         seq = self.memo.along(order)
-        prov, alone, room = self.prov, self.sizes.alone, self.gpu - self.sizes.w(m)
-        base = self.sizes.base(m)
-        hits = set()  # the kinds that meet m (a kind's nodes share their provisional variant)
-        for k, node in self.memo.some.items():
-            v = prov[node]
-            if base is None:
-                h = m in v.models or alone(v) > room
-            else:
-                h = base in v.models or (v.blocks is not None and v.blocks.model == base) or alone(v) > room
-            if h:
-                hits.add(k)
+        hits = {k for k, node in self.memo.some.items() if self.meets(m, self.prov[node]) is not None}
         ahead = [n] * (n + 1)
         nxt = n
         for j in range(n - 1, -1, -1):
@@ -201,9 +175,7 @@ class NextUse:
             ahead[j] = nxt
         return ahead
 
-    def first(self, m: str, i: int, chosen: list[Variant], cur: Variant) -> tuple[Variant, int] | None:
-        """(variant, distance) of the first node after position i that meets m, `cur` (position i in the next run)
-        last; None when none does."""
+    def first(self, m: str, i: int, chosen: list[Variant | None], cur: Variant) -> Use | None:
         order, n = self.order, len(self.order)
         ahead = self.ahead.get(m)
         if ahead is None:
@@ -213,386 +185,266 @@ class NextUse:
                 got = tables[(id(order), m)] = order, self._table(m)
             ahead = self.ahead[m] = got[1]
         j = ahead[i + 1]
+        self.targets.append((ahead, j if j < n or not self.repeat else -1))
         if j < n:
-            return self.prov[order[j]], j - i
+            return Use(self.prov[order[j]], j - i)
         if not self.repeat:
             return None
-        seen = self.behind.setdefault(m, [None, 0])
-        if seen[0] is None:
-            seen[0] = next((k for k in range(seen[1], i) if self.meets(m, chosen[order[k]]) is not None), None)
-            seen[1] = i
-        if seen[0] is not None:
-            return chosen[order[seen[0]]], n - i + seen[0]
-        return (cur, n) if self.meets(m, cur) is not None else None
+        found, looked = self.behind.get(m, (None, 0))
+        if found is None:
+            found = next((k for k in range(looked, i) if self._meets_chosen(m, chosen[order[k]])), None)
+            self.behind[m] = found, i
+        if found is not None:
+            v = chosen[order[found]]
+            assert v is not None  # (chosen before position i)
+            return Use(v, n - i + found)
+        return Use(cur, n) if self.meets(m, cur) is not None else None
+
+    def _meets_chosen(self, m: str, v: Variant | None) -> bool:
+        return v is not None and self.meets(m, v) is not None
 
 
-def alike(known: tuple[tuple[str, int, tuple[float, float]], ...],
-          asked: list[tuple[str, Variant, tuple[float, float]]]) -> bool:
-    """Whether the look ahead's answers `asked` (reload seconds, distance to the next use), whose seconds equal those
-    of the remembered answers `known` one by one, order every pair of equal seconds by distance as `known` does. Pass
-    3 uses a distance only for that, to rank evictions of equal cost (the farthest next use first), so a node of a
-    queue whose next use is one node nearer than the last one's takes the same choice."""
+def alike(known: tuple[Question, ...], asked: list[Answer]) -> bool:
+    """Whether the look ahead's answers `asked`, whose seconds equal those of the remembered answers `known` one by
+    one, order every pair of equal seconds by distance as `known` does. Pass 3 uses a distance only for that, to rank
+    evictions of equal cost (the farthest next use first), so a node of a queue whose next use is one node nearer
+    than the last one's takes the same choice."""
     for x in range(len(asked)):
         for y in range(x + 1, len(asked)):
-            (c, d), (_, e) = known[x][2], known[y][2]
-            if c == known[y][2][0]:
-                f, g = asked[x][2][1], asked[y][2][1]
-                if (d > e) != (f > g) or (d < e) != (f < g):
+            a, b = known[x].answer, known[y].answer
+            if a.seconds == b.seconds:
+                f, g = asked[x].distance, asked[y].distance
+                if (a.distance > b.distance) != (f > g) or (a.distance < b.distance) != (f < g):
                     return False
     return True
 
 
-def assign(order: list[int], shape: Shape, sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
-           prov: list[Variant], pins: frozenset[str], repeat: bool, memo: Memo
-           ) -> Assigned:
-    """Pass 3: residency and variants along a fixed order (see the module docstring).
+class FastGpuState(GpuState):
+    """GpuState as the fast path runs it: the same rules, with what one pass asks again and again remembered: whether
+    a kind's provisional variant uses a model, a model's reload seconds (until a pinned copy is made), the look
+    ahead's table read here, and the step records (the same Run, Load and Unload for all the passes of a plan)."""
 
-    The nodes of a queue repeat, and so do their choices: a choice depends only on the node's variants, the resident
-    models in their order (kept parts included), the pinned copies, and the look ahead's answers to the evictions it
-    priced. So they are remembered in `memo.known` (for all the passes of one plan; None: weigh every node): a node of
-    the same kind (`memo.kinds`: equal variants) in the same state takes the remembered choice once the look ahead
-    gives answers alike to the same questions (asked in the same order, so that weighing it would follow the same
-    path): the same reload seconds, and distances that rank alike (`alike`)."""
-    gpu = budget.gpu
-    w = {k: m.nbytes for k, m in sizes.models.items()}
-    w.update((k, m.nbytes) for k, m in sizes.parts.items())
-    resident: list[str] = sorted(start.gpu)
-    kept: dict[str, str] = {}  # model -> the key of its kept part on the GPU (graph/plan/residency.py)
-    for m in resident:
-        if sizes.base(m) is not None:
-            kept[sizes.base(m)] = m
-    pinned: set[str] = set(start.pinned)
-    names, costs = shape.names, shape.costs
-    chosen: list[Any] = [None] * len(names)
-    rows: list[tuple] = []
-    loads: Counter[str] = Counter()
-    unloaded: set[str] = set()
-    weighed: set[str] = set()
-    moved = 0
-    part_bw = cm.h2d_pinned * residency.STREAM_COPY_EFFICIENCY  # a kept part comes back with its node's upload
+    def __init__(self, names: list[str], sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
+                 pins: frozenset[str], look: NextUse, memo: Memo) -> None:
+        super().__init__(names, sizes, budget, cm, start, pins, look)
+        self.next_use = look
+        self.kinds, self.steps = memo.kinds, memo.steps
+        self.uses_by_kind: dict[tuple[str, int], bool] = {}
+        self.reloads: dict[str, float] = {}
+        self.parts: dict[int, str | None] = {}  # per block plan (by identity): the kept part it leaves
 
-    after = NextUse(order, prov, sizes, gpu, repeat, memo)
-    kinds, known = memo.kinds, memo.known
-
-    asked: list[tuple[str, Variant, tuple[float, float]]] = []  # evict_cost's questions and answers for one node
-    targets: list[tuple[list[int], int]] = []  # ... and where each answer came from: the look ahead's table for the
-    #                                            model and the position of its next use (-1: in the next run)
-    n = len(order)
-
-    uses: dict[tuple[str, int], bool] = {}  # (m, a kind of node) -> whether its provisional variant uses m
-    reload: dict[str, float] = {}  # m -> the seconds of its reload with the pinned copies there are (cleared when a
-    #                                copy is made)
-    ahead = after.ahead
-
-    def evict_cost(m: str, i: int, cur: Variant) -> tuple[float, float]:
-        """(reload seconds this eviction causes, distance to the next use); 0 s when m must leave anyway."""
-        weighed.add(m)
-        table = ahead.get(m)
+    def evict_cost(self, m: str, i: int, cur: Variant) -> Answer:
+        self.weighed.add(m)
+        look = self.next_use
+        n = len(look.order)
+        table = look.ahead.get(m)
         j = table[i + 1] if table is not None else n
-        if j < n:  # (NextUse.first, for a use in this run)
-            kind = m, kinds[order[j]]
-            use = uses.get(kind)
+        if table is not None and j < n:  # (NextUse.first, for a use in this run)
+            look.targets.append((table, j))
+            kind = m, self.kinds[look.order[j]]
+            use = self.uses_by_kind.get(kind)
             if use is None:
-                use = uses[kind] = sizes.uses(m, prov[order[j]])
-            d = j - i
+                use = self.uses_by_kind[kind] = self.sizes.uses(m, look.prov[look.order[j]])
+            distance: float = j - i
         else:
-            got = after.first(m, i, chosen, cur)
-            table = ahead[m]
-            j = table[i + 1]
-            use = got is not None and sizes.uses(m, got[0])
-            d = got[1] if got is not None else _INF
-        targets.append((table, j if j < n or not repeat else -1))
-        if use:  # (the next node that meets m uses it, rather than not fitting beside it)
-            r = reload.get(m)
-            if r is None:  # a kept part: uploaded again by the next node that streams its model; a model: pinned by
-                #            now if ever (it is resident)
-                r = reload[m] = w[m] / part_bw if sizes.base(m) is not None else cm.load_seconds(w[m], m in pinned)
-            answer = r, d
+            got = look.first(m, i, self.chosen, cur)
+            use = got is not None and self.sizes.uses(m, got.variant)
+            distance = got.distance if got is not None else INF
+        if use:
+            r = self.reloads.get(m)
+            if r is None:
+                r = self.reloads[m] = self.reload_seconds(m)
+            answer = Answer(m, cur, r, distance)
         else:
-            answer = 0.0, _INF  # never used again, or forced out anyway: that node and m cannot fit together
-        asked.append((m, cur, answer))
+            answer = Answer(m, cur, 0.0, INF)
+        self.asked.append(answer)
         return answer
 
-    def gone(v: Variant) -> tuple[list[str], str | None]:
-        """The kept parts v frees without an eviction: those of the models it loads whole (which must leave
-        first), and the part of the model it streams by blocks (None if none), which it takes over."""
-        drop = [kept[m] for m in sizes.unique(v.models) if m in kept]
-        own = kept.get(v.blocks.model) if v.blocks is not None else None
-        return drop, own
+    def pin(self, m: str) -> None:
+        super().pin(m)
+        self.reloads.clear()
 
-    def evictions(i: int, v: Variant, total: int, skip: list[str]) -> tuple[list[str], float]:
-        """The models to unload before v runs at position i (`total`: the GPU bytes it needs with all resident
-        but `skip`), and the reload seconds that costs."""
-        keyed = sorted(((*evict_cost(m, i, v), m) for m in resident if m not in v.models and m not in skip),
-                       key=lambda t: (t[0], -t[1], -w[t[2]]))
-        out: list[tuple[float, float, str]] = []
-        for t in keyed:
-            if total <= gpu:
-                break
-            out.append(t)
-            total -= w[t[2]]
-        for t in reversed(out[:]):  # keep back any evicted model that still fits, most costly first
-            if total + w[t[2]] <= gpu:
-                out.remove(t)
-                total += w[t[2]]
-        return [m for _, _, m in out], sum(c for c, _, _ in out)
+    def kept_part(self, bp: BlockPlan) -> str | None:
+        got = self.parts.get(id(bp), ...)  # (the nodes of a remembered choice share its block plan)
+        if got is ...:
+            got = self.parts[id(bp)] = super().kept_part(bp)
+        return got
 
-    def free(i: int, u: Variant) -> bool:
-        """Whether u can run at position i without pushing out a model that would have to come back."""
-        drop, _ = gone(u)
-        total = held - sum(w[m] for m in drop) + sum(w[m] for m in sizes.unique(u.models) if m not in resident) \
-            + u.activation
-        return total <= gpu or evictions(i, u, total, drop)[1] == 0
-
-    def read_first(v: Variant) -> float:
-        """Reading a streamed model's file into its pinned host copy, the first time."""
-        secs = 0.0  # (loops rather than generators in this pass: it runs them for every streamed node of a queue)
+    def apply(self, node: int, nc: NodeCost, choice: Choice) -> Variant:
+        """GpuState.apply, spelled out in one place (a queue applies a choice for most of its nodes)."""
+        v = self.chosen[node] = nc.variants[choice.pick]
+        resident, w, rows, steps, sizes = self.resident, self.w, self.rows, self.steps, self.sizes
+        if choice.unload:
+            why = f"makes room for {self.names[node]} ({nc.class_type})"
+            for m in choice.unload:
+                resident.remove(m)
+                self.held -= w[m]
+                self.now = tuple(resident)
+                self.unloaded.add(m)
+                base = sizes.base(m)
+                if base is not None:
+                    del self.kept[base]
+                step = self.unload_step(m, "pinned" if m in self.pinned or base is not None else "drop")
+                rows.append(Row(step, self.held, self.now, 0.0, why))
+        for m in sizes.unique(v.models):
+            if m not in resident:
+                self.load(m, f"for {self.names[node]}")
         for m in v.streams:
-            if m not in pinned:
-                secs += cm.load_seconds(w[m], False)
-        return secs
+            if m in self.pins and m not in self.pinned:
+                self.pin(m)
+        gpu_bytes = self.held + v.activation
+        bp = choice.blocks
+        if bp is not None:
+            if choice.takes is not None:
+                resident.remove(choice.takes)
+                self.held -= w[choice.takes]
+                del self.kept[bp.model]
+            gpu_bytes = self.held + bp.gpu_bytes
+            self.moved += bp.uploaded
+            part = self.kept_part(bp)
+            if part is not None:
+                self.kept[bp.model] = part
+                resident.append(part)
+                self.held += w[part]
+            self.now = tuple(resident)
+        key = (self.names[node], v.name)
+        run = steps.get(key)
+        if run is None:
+            run = steps[key] = Run(*key)
+        rows.append(Row(run, gpu_bytes, self.now, choice.seconds, choice.note, tuple(v.streams), bp))
+        self.held_after[node] = self.held
+        return v
 
-    def streamed(i: int, v: Variant, missing: int, out: list[str], reload_s: float, own: str | None
-                 ) -> tuple[float, list[str], BlockPlan]:
-        """A block-streaming variant: the resident blocks that fit beside the models that stay (the kept part
-        `own` reused where keeping its blocks is faster), and whether evicting more models (cheapest first) buys a
-        faster node than their reloads cost."""
-        assert v.blocks is not None
-        bw = cm.h2d_pinned
-        room = gpu - held - missing  # for the node's own bytes, beside the models that stay
-        for m in out:
-            room += w[m]
-        if own is not None:
-            room += w[own]
+    def run_step(self, node: int, v: Variant) -> Run:
+        key = (self.names[node], v.name)
+        got = self.steps.get(key)
+        if got is None:
+            got = self.steps[key] = Run(*key)
+        assert isinstance(got, Run)
+        return got
 
-        def best_at(room: int) -> BlockPlan | None:
-            bp = sizes.choose(v, room, bw)
-            if own is not None:
-                kb = sizes.keeping(v, own, room, bw)
-                if kb is not None and (bp is None or kb.seconds < bp.seconds):
-                    bp = kb
-            return bp
+    def load_step(self, m: str, src: str, pin: bool) -> Load:
+        key = ("load", m, src, "pin" if pin else "")
+        got = self.steps.get(key)
+        if got is None:
+            got = self.steps[key] = Load(m, src, pin)
+        assert isinstance(got, Load)
+        return got
 
-        best_bp = best_at(room)
-        best_t, best_out = (_INF if best_bp is None else best_bp.seconds + reload_s), out
-        more = []
-        for m in resident:
-            if m not in out and m not in v.models and m != own:
-                more.append((*evict_cost(m, i, v), m))
-        if len(more) > 1:
-            more.sort(key=lambda t: (t[0], -t[1], -w[t[2]]))
-        extra_s = 0.0
-        for k, (c, _, m) in enumerate(more, 1):
-            extra_s += c
-            room += w[m]
-            bp = best_at(room)
-            if bp is not None and bp.seconds + reload_s + extra_s < best_t:
-                best_t, best_out, best_bp = bp.seconds + reload_s + extra_s, out + [m for _, _, m in more[:k]], bp
-        assert best_bp is not None  # the variant's activation is its least need, which evictions made room for
-        return best_t, best_out, best_bp
+    def unload_step(self, m: str, to: str) -> Unload:
+        key = ("unload", m, to)
+        got = self.steps.get(key)
+        if got is None:
+            got = self.steps[key] = Unload(m, to)
+        assert isinstance(got, Unload)
+        return got
 
-    def weigh(i: int, nc: NodeCost) -> tuple[int, list[str], BlockPlan | None, str | None, float, str | tuple]:
-        """The variant of node `nc` at position i and what running it takes: (its index in nc.variants, the models to
-        unload first, its block plan if it streams, the kept part it takes over, its Run's seconds, its note or
-        _run_note's arguments)."""
-        cands: list[tuple[float, int, int, list[str], BlockPlan | None, float, str | None]] = []  # (seconds, bytes
-        #                                            copied, index, evictions, block plan, first read, kept part taken)
-        options: list[tuple[Variant, float | None]] = []
-        for k, v in enumerate(nc.variants):
-            if sizes.alone(v) > gpu:
-                options.append((v, None))
-                continue
-            if v.streams:
-                for m in v.streams:  # streaming a resident model would hold it twice
-                    if m in resident:
-                        break
-                else:
-                    m = None
-                if m is not None:
-                    options.append((v, None))
-                    continue
-            if v.blocks is not None:  # streaming is for a model that cannot stay: not when it can
-                for u in nc.variants:
-                    if sizes.holds(u, v, gpu) and free(i, u):
-                        break
-                else:
-                    u = None
-                if u is not None:
-                    options.append((v, None))
-                    continue
-            drop, own = gone(v) if kept else ([], None)
-            missing, need = [], 0
-            for m in sizes.unique(v.models):
-                if m not in resident:
-                    missing.append(m)
-                    need += w[m]
-            total = held + need + v.activation
-            for m in drop:
-                total -= w[m]
-            if own is not None:
-                total -= w[own]
-            out, reload_s = ([], 0.0) if total <= gpu else evictions(i, v, total, [*drop, own] if own else drop)
-            out = drop + out
-            bp, read = None, 0.0
-            if v.blocks is not None:
-                t, out, bp = streamed(i, v, need, out, reload_s, own)
-                read = read_first(v)
-                t += read
-            else:
-                t = cm.run_seconds(v) + reload_s
-                if v.streams:  # (an empty sum adds 0: skipping it leaves t as it is)
-                    t += sum(cm.load_seconds(w[m], m in pinned) for m in v.streams)
-            if missing:
-                t += sum(cm.load_seconds(w[m], m in pinned) for m in missing)
-            options.append((v, t))
-            copied = need + (bp.uploaded if bp is not None else sum(w[m] for m in v.streams))
-            cands.append((t, copied, k, out, bp, read, own))
-        assert cands  # feasibility was checked up front
-        best = fastest = min(cands, key=lambda c: c[0])  # (the first of equals)
-        if len(cands) > 1:  # a near tie in predicted time goes to the option that copies fewer bytes
-            best = min((c for c in cands if c[0] <= fastest[0] * (1 + TIE) and c[1] < fastest[1]),
-                       key=lambda c: (c[1], c[0], c[2]), default=fastest)
-        tie = None if best is fastest else (nc.variants[fastest[2]].name, fastest[0], fastest[1] - best[1])
-        t, _, k, out, bp, read, own = best
-        v = nc.variants[k]
-        note: str | tuple = v.note
-        if bp is not None or v is not nc.variants[0] or tie:  # written out only for the steps of the plan returned
-            note = (v, nc.variants[0], bp, sizes.models[bp.model].name if bp is not None else "", t, options, tie)
-        return k, out, bp, own, bp.seconds + read if bp is not None else cm.run_seconds(v), note
 
-    held = sum(w[m] for m in resident)  # bytes of the resident weights
-    now = tuple(resident)
-    held_start = held
-    held_after = [0] * len(names)  # per node: the resident weights' bytes after it
-    copies = frozenset(pinned)  # `known` is by the node's kind, the resident models (in their order) and these
-    # A node that left the GPU as it found it (the same resident models in the same order, the same pinned copies: a
-    # queue's next encode or sample that takes over the last one's kept part, or a decode beside it) is `steady`: a
-    # later node of its kind that finds the GPU still so (not a model moved since) takes the same choice where the look
-    # ahead's answers for it are alike (`same_answers`): it would be asked the same questions and get the same reload
-    # seconds, and distances that rank alike.
-    steady: dict[int, tuple] = {}  # per kind: (resident, pinned copies, its answers' targets as (table, position of
-    #                                the next use, its own position), variant, bytes copied, row)
+class Recall:
+    """Pass 3's fast path: the nodes of a queue repeat, and so do their choices. A choice depends only on the node's
+    variants, the resident models in their order (kept parts included), the pinned copies, and the look ahead's
+    answers to the evictions it priced. So a node takes a remembered choice, instead of being weighed, where
+    - `steady`: the last node of its kind left the GPU as it found it (the same resident models in the same order,
+      the same pinned copies: a queue's next encode or sample that takes over the last one's kept part, or a decode
+      beside it), nothing has moved since, and the look ahead answers it from the same nodes (all distances shorter
+      by as much) or from nodes of the same kinds at the same distances (`same_answers`); or
+    - `known`: a node of its kind met the same state (in this or another pass 3 of the plan), and the same questions,
+      asked again in the same order, get the same reload seconds and distances that rank alike (`alike`)."""
 
-    def same_answers(targets: tuple[tuple[list[int], int, int], ...], i: int) -> bool:
-        """Whether the look ahead answers a node at position i as it answered the steady node of its kind: from the
-        same nodes (all distances shorter by as much), or from nodes of the same kinds at the same distances."""
-        for table, j, _ in targets:
+    def __init__(self, state: GpuState, look: NextUse, memo: Memo, order: list[int]) -> None:
+        assert memo.known is not None
+        self.state, self.look, self.known, self.kinds, self.order = state, look, memo.known, memo.kinds, order
+        self.steady: dict[int, Steady] = {}  # per kind
+
+    def same_answers(self, steady: Steady, i: int) -> bool:
+        """Whether the look ahead answers a node at position i as it answered the steady node of its kind."""
+        for table, j in steady.targets:
             if table[i + 1] != j:
                 break
         else:
             return True
-        for table, j, at in targets:
+        n, kinds, order = len(self.order), self.kinds, self.order
+        for table, j in steady.targets:
             k = table[i + 1]
             if k == n or j == n:  # (no use left: in a run that does not repeat, the same answer either way)
                 if k != j:
                     return False
-            elif k - i != j - at or kinds[order[k]] != kinds[order[j]]:
+            elif k - i != j - steady.at or kinds[order[k]] != kinds[order[j]]:
                 return False
         return True
 
-    part_of: dict[int, str | None] = {}  # per block plan (by identity): the key of the part it leaves (Sizes.part)
-    unique = sizes.unique
-    for i, node in enumerate(order):
-        nc = costs[node]
-        vs = nc.variants
-        if len(vs) == 1 and not vs[0].models and not vs[0].streams \
-                and held + vs[0].activation <= gpu:  # a host node, or one without weights: nothing moves
-            v = chosen[node] = vs[0]
-            rows.append((Run, (names[node], v.name), held + v.activation, now, cm.run_seconds(v), v.note, (), None))
-            held_after[node] = held
-            continue
-        kind = kinds[node]
-        got = steady.get(kind)
-        if got is not None and got[0] is now and got[1] is copies and same_answers(got[2], i):
-            v = chosen[node] = got[3]  # its kind's steady choice (see above)
-            moved += got[4]
-            row = got[5]
-            rows.append((Run, (names[node], v.name), row[2], now, row[4], row[5], row[6], row[7]))
-            held_after[node] = held
-            continue
-        before = now, copies
-        key = (kind, now, copies) if known is not None else None
-        got = known.get(key) if key is not None else None
-        asked.clear()
-        targets.clear()
-        if got is not None and got[1]:  # the same questions to the look ahead must get answers alike (alike)
-            for m, j, answer in got[1]:
-                if evict_cost(m, i, vs[j])[0] != answer[0]:
-                    got = None
+    def remembered(self, key: tuple[int, tuple[str, ...], frozenset[str]], i: int, nc: NodeCost) -> Choice | None:
+        got = self.known.get(key)
+        if got is None or not got.questions:
+            return got.choice if got is not None else None
+        for q in got.questions:
+            if self.state.evict_cost(q.answer.model, i, nc.variants[q.pick]).seconds != q.answer.seconds:
+                return None
+        if len(self.state.asked) > 1 and not alike(got.questions, self.state.asked):
+            return None
+        return got.choice
+
+    def run(self, i: int, node: int, nc: NodeCost) -> None:
+        """Node `node` at position i: a remembered choice where one holds, else weighed (and remembered)."""
+        state, kind = self.state, self.kinds[node]
+        got = self.steady.get(kind)
+        if got is not None and got.now is state.now and got.copies is state.copies and self.same_answers(got, i):
+            state.chosen[node] = got.variant
+            state.moved += got.uploaded
+            row = got.row
+            state.rows.append(Row(state.run_step(node, got.variant), row.gpu_bytes, state.now, row.seconds, row.note,
+                                  row.streams, row.blocks))
+            state.held_after[node] = state.held
+            return
+        before, copies = state.now, state.copies
+        key = (kind, before, copies)
+        state.asked.clear()
+        self.look.targets.clear()
+        choice = self.remembered(key, i, nc)
+        if choice is None:
+            state.asked.clear()
+            self.look.targets.clear()
+            choice = state.weigh(i, nc)
+            index = {id(x): j for j, x in enumerate(nc.variants)}
+            self.known[key] = Known(choice, tuple(Question(index[id(a.cur)], a) for a in state.asked))
+        v = state.apply(node, nc, choice)
+        if state.copies is copies and state.now == before:
+            state.now = before  # (the same object: the steady choices are by its identity)
+            targets = self.look.targets
+            for _, j in targets:
+                if j < 0:
                     break
             else:
-                if len(asked) > 1 and not alike(got[1], asked):
-                    got = None
-        if got is None:
-            asked.clear()
-            targets.clear()
-            choice = weigh(i, nc)
-            if key is not None:
-                index = {id(x): j for j, x in enumerate(vs)}
-                known[key] = choice, tuple((m, index[id(cur)], answer) for m, cur, answer in asked)
+                self.steady[kind] = Steady(before, copies, tuple(targets), i, v,
+                                           choice.blocks.uploaded if choice.blocks is not None else 0, state.rows[-1])
+
+
+def assign(order: list[int], shape: Shape, sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
+           prov: list[Variant], pins: frozenset[str], repeat: bool, memo: Memo) -> Assigned:
+    """Pass 3: residency and variants along a fixed order, by the rules of graph/plan/gpu.py `GpuState`: a node
+    without weights that fits beside the resident ones runs as it is; every other node is weighed, and its choice
+    applied. With `memo.known` (not None) the fast path: `Recall`, and the look ahead from tables (`NextUse`)."""
+    state: GpuState
+    recall = None
+    if memo.known is not None:
+        look = NextUse(order, prov, sizes, budget.gpu, repeat, memo)
+        state = FastGpuState(shape.names, sizes, budget, cm, start, pins, look, memo)
+        recall = Recall(state, look, memo, order)
+    else:
+        state = GpuState(shape.names, sizes, budget, cm, start, pins, LookAhead(order, prov, sizes, budget.gpu, repeat))
+    for i, node in enumerate(order):
+        nc = shape.costs[node]
+        vs = nc.variants
+        if len(vs) == 1 and not vs[0].models and not vs[0].streams and state.held + vs[0].activation <= budget.gpu:
+            state.run_as_is(node, vs[0])
+        elif recall is not None:
+            recall.run(i, node, nc)
         else:
-            choice = got[0]
-        k, out, bp, own, secs, note = choice
-        v = chosen[node] = vs[k]
-        for m in out:
-            resident.remove(m)
-            held -= w[m]
-            now = tuple(resident)
-            unloaded.add(m)
-            base = sizes.base(m)
-            if base is not None:
-                del kept[base]
-            rows.append((Unload, (m, "pinned" if m in pinned or base is not None else "drop"), held, now, 0.0,
-                         f"makes room for {names[node]} ({nc.class_type})", (), None))
-        for m in unique(v.models):
-            if m in resident:
-                continue
-            src = "pinned" if m in pinned else "file"
-            pin = src == "file" and m in pins
-            if pin:
-                pinned.add(m)
-                copies = frozenset(pinned)
-                reload.clear()
-            resident.append(m)
-            held += w[m]
-            now = tuple(resident)
-            loads[m] += 1
-            moved += w[m]
-            why = f"for {names[node]}" + (_PINNING if pin else "")
-            rows.append((Load, (m, src, pin), held, now, cm.load_seconds(w[m], src == "pinned"), why, (), None))
-        for m in v.streams:  # the executor reads (and keeps) its pinned copy for the stream
-            if m in pins and m not in pinned:
-                pinned.add(m)
-                copies = frozenset(pinned)
-                reload.clear()
-        gpu_bytes = held + v.activation
-        if bp is not None:
-            if own is not None:  # taken over by this node: reused, or freed as it starts when its blocks differ
-                resident.remove(own)
-                held -= w[own]
-                del kept[bp.model]
-            gpu_bytes = held + bp.gpu_bytes
-            moved += bp.uploaded
-            part = part_of.get(id(bp), ...)
-            if part is ...:  # (the nodes of a remembered choice share its block plan)
-                part = part_of[id(bp)] = sizes.part(bp)
-                if part is not None:
-                    w[part] = sizes.w(part)
-            if part is not None:  # its resident part stays on the GPU after it, until a node needs the room
-                kept[bp.model] = part
-                resident.append(part)
-                held += w[part]
-            now = tuple(resident)
-        rows.append((Run, (names[node], v.name), gpu_bytes, now, secs, note, tuple(v.streams), bp))
-        held_after[node] = held
-        if key is not None and copies is before[1] and now == before[0]:
-            now = before[0]  # (the same object: the steady choices are by its identity)
-            if all(j >= 0 for _, j in targets):
-                steady[kind] = now, copies, tuple((t, j, i) for t, j in targets), v, \
-                    bp.uploaded if bp is not None else 0, rows[-1]
-    kept_parts = tuple(sizes.parts.get(m) or sizes.models[m] for m in kept.values())
-    end = Residency(frozenset(resident), frozenset(pinned), kept_parts)
-    return Assigned(rows, order, chosen, end, loads, unloaded, moved, weighed, held_after, held_start)
+            state.asked.clear()
+            state.apply(node, nc, state.weigh(i, nc))
+    chosen = [v for v in state.chosen if v is not None]
+    return Assigned(state.rows, order, chosen, state.end(), state.loads, state.unloaded, state.moved, state.weighed,
+                    state.held_after, state.held_start)
 
 
 def choose_pins(first: Assigned, sizes: Sizes, costs: list[NodeCost], order: list[int],

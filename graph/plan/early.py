@@ -71,18 +71,18 @@ class FinishEarly:
         waiting = self.waiting = [0] * n  # inputs of each node (before any has run)
         sets = self.sets
         for i in reversed(topo):
-            got = _NONE  # the models its descendants need
+            below = _NONE  # the models its descendants need
             for s in succs[i]:
                 waiting[s] += 1
                 r = reach[s]
-                if not r <= got:
-                    got = r if not got else got | r
+                if not r <= below:
+                    below = r if not below else below | r
             own = sets[need[i]]
-            if got <= own:
+            if below <= own:
                 finishing[i] = True
                 reach[i] = own
             else:
-                reach[i] = got if own <= got else got | own
+                reach[i] = below if own <= below else below | own
         self.finishing = finishing
         self.ends = [i for i, f in enumerate(finishing) if f]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
@@ -87,9 +87,9 @@ class Shape:
             xs: list[int] = []
             through = False  # an input that needs nothing and waits for a node
             for x in before:
-                j = number.get(x)
-                if j is not None:
-                    xs.append(j)
+                num = number.get(x)
+                if num is not None:
+                    xs.append(num)
                 else:
                     g = gate[fnum[x]]
                     if g:
@@ -176,7 +176,8 @@ class Shape:
         return first, after
 
 
-def heap_order(ready: list[Any], waiting: Any, succs: Any, key: Any = None) -> list[Any]:
+def heap_order(ready: list[Any], waiting: list[int], succs: Sequence[Sequence[int]],
+               key: Sequence[tuple[int, int, int]] | None = None) -> list[int]:
     """Kahn's algorithm, the least key first: `ready` a heap of the keys of the nodes that wait for nothing (each key
     ends with its node; without `key`, the nodes themselves), `waiting` what each other node still waits for (counted
     down as they run)."""
@@ -217,7 +218,7 @@ def run_order(shape: Shape, sizes: Sizes, gpu: int, prov: list[Variant], start: 
         group.append(g)
     need = [sizes.unique(k[0]) for k in keys]
     held_out = [k[2] for k in keys]
-    uses = Counter()  # runs left that need each model
+    uses: Counter[str] = Counter()  # runs left that need each model
     for g, c in Counter(group).items():
         for m in need[g]:
             uses[m] += c
@@ -282,11 +283,11 @@ def run_order(shape: Shape, sizes: Sizes, gpu: int, prov: list[Variant], start: 
         for n in succs[pick]:
             indeg[n] -= 1
             if not indeg[n]:
-                h = groups.get(group[n])
-                if h is None:
+                queued = groups.get(group[n])
+                if queued is None:
                     groups[group[n]] = [n]
                 else:
-                    heapq.heappush(h, n)
+                    heapq.heappush(queued, n)
         v = prov[pick]
         if not v.models and not v.activation:
             continue

@@ -40,7 +40,7 @@ from typing import Any
 import networkx as nx
 
 from . import planner
-from .planner import Budget, CostModel, ModelCost, NodeCost, Plan, PlanError, Residency, Run
+from .planner import Budget, CostModel, ModelCost, NodeCost, Plan, PlanContext, PlanError, Residency, Run
 
 _EPS = 1e-9
 
@@ -146,17 +146,19 @@ def _uses(nc: NodeCost) -> frozenset[str]:
 
 def place(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost], devices: Sequence[Device],
           cost: CostModel | None = None, starts: Mapping[str, Residency] | None = None, *, repeat: bool = True,
-          outputs: Iterable[str] = ()) -> Placement:
+          outputs: Iterable[str] = (), context: PlanContext | None = None) -> Placement:
     """The best placement of `dag` on `devices` (see the module docstring). `outputs`: the output nodes (dealt
-    to the devices by the queue split; by default the nodes without consumers)."""
+    to the devices by the queue split; by default the nodes without consumers). `context`: the caller's planner
+    context (graph/plan/planner.py), shared by every plan made here."""
     if not devices:
         raise ValueError("no device to place the graph on")
     cost = cost or CostModel()
+    context = context or PlanContext()
     names = [d.name for d in devices]
     if len(set(names)) != len(names):
         raise ValueError(f"devices {names}: each device may be named once")
     starts = dict(starts or {})
-    order = _global_order(dag, costs, models, devices, cost)
+    order = _global_order(dag, costs, models, devices, cost, context)
     outs = [n for n in order if n in set(outputs)] or [n for n in order if dag.out_degree(n) == 0]
     users = [n for n in order if _uses(costs[n])]
     errors: list[PlanError] = []
@@ -166,7 +168,7 @@ def place(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, M
 
     def attempt(kind: str, assign: Mapping[str, str]) -> None:
         try:
-            p = _build(kind, dag, costs, models, devices, cost, starts, repeat, order, assign)
+            p = _build(kind, dag, costs, models, devices, cost, starts, repeat, order, assign, context)
         except PlanError as e:
             errors.append(e)
             return  # ties (see `score`), then the earlier devices first in the work's order
@@ -174,11 +176,12 @@ def place(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, M
 
     for d in devices:  # one device: exactly the one-device plan
         try:
-            p = planner.plan(dag, costs, models, d.budget, cost, starts.get(d.name, Residency()), repeat=repeat)
+            p = planner.plan(dag, costs, models, d.budget, cost, starts.get(d.name, Residency()), repeat=repeat,
+                             context=context)
         except PlanError as e:
             errors.append(e)
             continue
-        nxt = planner.plan(dag, costs, models, d.budget, cost, p.end, repeat=True) if repeat else p
+        nxt = planner.plan(dag, costs, models, d.budget, cost, p.end, repeat=True, context=context) if repeat else p
         one = _single(d.name, p, nxt)
         found.append(((*one.score, (index[d.name],) * len(users)), one))
     if len(devices) > 1:
@@ -217,17 +220,17 @@ def _single(device: str, p: Plan, nxt: Plan) -> Placement:
 
 
 def _global_order(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
-                  devices: Sequence[Device], cost: CostModel) -> list[str]:
+                  devices: Sequence[Device], cost: CostModel, context: PlanContext | None = None) -> list[str]:
     """The one-device planner's order of the whole graph with room for everything (work grouped by model)."""
     room = sum(m.nbytes for m in models.values()) + max(
         (min(v.activation for v in c.variants) for c in costs.values()), default=0)
     big = Budget(max(room, max(d.budget.gpu for d in devices)), max(d.budget.host for d in devices))
-    return list(planner.plan(dag, costs, models, big, cost, repeat=False).order)
+    return list(planner.plan(dag, costs, models, big, cost, repeat=False, context=context).order)
 
 
 def _build(kind: str, dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
            devices: Sequence[Device], cost: CostModel, starts: Mapping[str, Residency], repeat: bool,
-           order: list[str], assign: Mapping[str, str]) -> Placement:
+           order: list[str], assign: Mapping[str, str], context: PlanContext | None = None) -> Placement:
     """The lanes for `assign` (model-using node -> device): output nodes and free nodes follow (module docstring)."""
     pos = {n: i for i, n in enumerate(order)}
     home = dict(assign)
@@ -267,7 +270,8 @@ def _build(kind: str, dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Ma
             start = starts.get(dev.name, Residency())
             sub_models = {k: m for k, m in models.items() if k in used or k in start.gpu or k in start.pinned}
             budget = dataclasses.replace(dev.budget, host=min(d.budget.host for d in devices) // used_lanes)
-            p = planner.plan(sub, {n: costs[n] for n in mine}, sub_models, budget, cost, start, repeat=repeat)
+            p = planner.plan(sub, {n: costs[n] for n in mine}, sub_models, budget, cost, start, repeat=repeat,
+                             context=context)
             imp = {n: tuple(dict.fromkeys(ps)) for n, ps in imports[dev.name].items()}
             lanes.append(Lane(dev.name, p, imp))
             for ps in imp.values():
@@ -345,7 +349,7 @@ def split_sizes(text: str | None, count: int) -> list[str | None]:
     """`--vram 12GiB,8GiB` -> one size per device; one size applies to every device; None: each device's own."""
     if text is None:
         return [None] * count
-    parts = [p.strip() for p in str(text).split(",")]
+    parts: list[str | None] = [p.strip() for p in str(text).split(",")]
     if len(parts) == 1:
         return parts * count
     if len(parts) != count:

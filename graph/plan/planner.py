@@ -31,7 +31,8 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    is read from the file in the background when the model is first loaded (`Load(pin=True)`) and kept: later unloads
    free the GPU copy only (`Unload(to="pinned")`) and reloads run at pinned PCIe speed. Without a pinned copy an
    unload drops the weights (`Unload(to="drop")`) and the reload reads the file again.
-3. **Residency and variants** (graph/plan/assign.py `assign`). Weights are like registers. Before each Run the chosen
+3. **Residency and variants** (graph/plan/assign.py `assign`, by the rules of graph/plan/gpu.py `GpuState`). Weights
+   are like registers. Before each Run the chosen
    variant's models must be resident; unloads happen only when resident weights + missing weights + the variant's
    activation exceed `budget.gpu`. Models the node does not need are evicted in order of their eviction cost: free
    first (never used again, or forced out anyway before their next use because that node and the model cannot fit
@@ -48,18 +49,24 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    its model loads whole.
 
 Nothing is ever unloaded unless a node forces it out, and nothing is loaded before the node that needs it.
+
+The passes above are the reference. The fast paths (pass 3's remembered choices and tables, `node_kinds`' shared
+kinds, and the passes left out where they would change nothing) change no plan; `PlanContext(reference=True)` plans
+without them, and tests/test_plan_reference.py compares the two plan for plan. docs/planner.md says it in words.
 """
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import networkx as nx
 
 from . import assign as pass3
 from .early import FinishEarly
 from .order import Shape, cycle_error, grouped_order, host_peak, run_order, uses_gpu
+from .residency import BlockCache
 from .sizes import Sizes, all_fit, node_kinds
 from .types import (
     DEFAULT_RESERVE,
@@ -79,14 +86,45 @@ from .types import (
 )
 
 TIE = pass3.TIE
-_SHORTCUTS = True  # pass 3's remembered choices and the passes plan() leaves out where they would change nothing;
-#                    False: every node weighed, every pass run (tests/test_fast_paths.py compares the plans)
 
-_H200 = CostModel()  # the default cost profile (graph/engine/costs.py)
-_NOTHING = Residency()  # the default start: no weights anywhere
+__all__ = ["DEFAULT_RESERVE", "TIE", "Budget", "CostModel", "GiB", "Load", "ModelCost", "NodeCost", "Plan",
+           "PlanContext", "PlanError", "PlannedStep", "Residency", "Run", "Step", "Unload", "plan"]
 
-__all__ = ["DEFAULT_RESERVE", "TIE", "Budget", "CostModel", "GiB", "Load", "ModelCost", "NodeCost", "Plan", "PlanError",
-           "PlannedStep", "Residency", "Run", "Step", "Unload", "plan"]
+
+@dataclass
+class PlanContext:
+    """What the plans of one caller (an engine, a server's planner, a panel) share, and how they are made.
+
+    `reference`: plan by the reference rules alone (every node weighed, the look ahead walked, every pass run), not
+    with the fast paths that change no plan. `blocks`: the block choices of streamed nodes, by spec and room
+    (graph/plan/residency.py `BlockCache`), which a queue asks once per prompt and the next queue again. A caller
+    that passes none gets a fresh context per plan: nothing outlives the call."""
+
+    reference: bool = False
+    blocks: BlockCache = field(default_factory=BlockCache)
+
+
+# A DAG with edges u->v where v reads u's output, or per node the nodes whose outputs it reads (its inputs' sources)
+Dependencies: TypeAlias = nx.DiGraph | Mapping[str, Iterable[str]]
+
+
+def as_dag(dependencies: Dependencies) -> nx.DiGraph:
+    """The planner's graph of `dependencies`: node order is the mapping's (pass 1 breaks ties by it).
+
+    >>> list(as_dag({"load": [], "encode": ["load"], "decode": ["encode", "load"]}).edges)
+    [('load', 'encode'), ('load', 'decode'), ('encode', 'decode')]
+    """
+    if isinstance(dependencies, nx.DiGraph):
+        return dependencies
+    dag = nx.DiGraph()
+    dag.add_nodes_from(dependencies)
+    for node, inputs in dependencies.items():
+        for src in inputs:
+            if src not in dependencies:
+                raise ValueError(f"node {node!r} reads the output of {src!r}, which is not a node of the graph: list "
+                                 "every node, with its own inputs (or none)")
+            dag.add_edge(src, node)
+    return dag
 
 
 def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
@@ -107,24 +145,21 @@ def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[st
             raise fault(f"node {n!r} has no NodeCost: estimate every node before planning")
         vs = nc.variants
         got = quiet.get(id(vs))
-        if got is not None:
-            if got and not nc.host_bytes:
-                free.add(n)
-            continue
-        if not vs:
-            raise fault(f"node {n!r} ({nc.class_type}) has no variants: give it at least one")
-        got = quiet[id(vs)] = len(vs) == 1 and not uses_gpu(vs[0]) and gpu >= 0  # (with no room at all, every node
-        #                                                                          fails as itself)
+        if got is None:
+            if not vs:
+                raise fault(f"node {n!r} ({nc.class_type}) has no variants: give it at least one")
+            got = quiet[id(vs)] = len(vs) == 1 and not uses_gpu(vs[0]) and gpu >= 0  # (with no room at all, every
+            #                                                                          node fails as itself)
+            for v in vs:
+                if id(v) in seen:
+                    continue
+                seen.add(id(v))
+                for m in v.models:
+                    if m not in models:
+                        raise fault(f"node {n!r} ({nc.class_type}) variant {v.name!r} needs model {m!r}, "
+                                    "which is missing from `models`")
         if got and not nc.host_bytes:
             free.add(n)
-        for v in vs:
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            for m in v.models:
-                if m not in models:
-                    raise fault(f"node {n!r} ({nc.class_type}) variant {v.name!r} needs model {m!r}, "
-                                "which is missing from `models`")
     for m in start.gpu:
         if m not in models:
             raise fault(f"model {m!r} is resident at the start but missing from `models`: describe every "
@@ -132,102 +167,117 @@ def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[st
     return nodes, free
 
 
-def plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost], budget: Budget,
-         cost: CostModel = _H200, start: Residency = _NOTHING, *, repeat: bool = True) -> Plan:
-    """Plan one run of `dag`: the order, every node's variant and the Load/Unload steps between runs.
+def plan(dependencies: Dependencies, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost], budget: Budget,
+         cost: CostModel | None = None, start: Residency | None = None, *, repeat: bool = True,
+         context: PlanContext | None = None) -> Plan:
+    """Plan one run of a graph: the order, every node's variant and the Load/Unload steps between runs.
 
-    `dag` edges u->v mean v consumes an output of u; every node needs a NodeCost in `costs`. `start` is the
-    residency left by the previous run. With `repeat`, the plan expects the same graph to run again next
-    and keeps what that run will want. Raises PlanError when a node fits with no variant.
-    """
-    # A queue's plan makes tens of thousands of short-lived tuples and lists, and no reference cycle: the cyclic
-    # collector's passes over them cost 5-10% of planning 64 prompts, for nothing to collect. Paused while it plans
-    # (left as it is where something else turned it off).
-    paused = gc.isenabled()
-    if paused:
-        gc.disable()
-    try:
-        return _plan(dag, costs, models, budget, cost, start, repeat)
-    finally:
-        if paused:
-            gc.enable()
+    `dependencies`: per node the nodes whose outputs it reads (or a networkx DiGraph, edges u->v where v reads u);
+    every node needs a NodeCost in `costs`, every model its variants name a ModelCost in `models`. `cost`: the
+    machine's cost model (default: the H200's). `start`: the residency left by the previous run (default: nothing
+    anywhere). With `repeat`, the plan expects the same graph to run again next and keeps what that run will want.
+    `context`: the caller's caches and the reference switch (`PlanContext`). Raises PlanError when a node fits with
+    no variant, ValueError when the inputs do not describe every node and model."""
+    return _Planner(as_dag(dependencies), costs, models, budget, cost or CostModel(), start or Residency(), repeat,
+                    context or PlanContext()).plan()
 
 
-def _plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost], budget: Budget,
-          cost: CostModel, start: Residency, repeat: bool) -> Plan:
-    if start.kept:
-        models = {**models, **{m.key: m for m in start.kept if m.key in start.gpu}}
-    nodes, free = _validate(dag, costs, models, start, budget.gpu)
-    shape = Shape(dag, nodes, free, costs)  # the passes order the nodes that need something, by number
-    #                                         (graph/plan/order.py)
-    ncs = shape.costs
-    sizes = Sizes(models)
-    kinds, prov = node_kinds(dag, ncs, sizes, budget.gpu, _SHORTCUTS)
-    memo = pass3.Memo(kinds, {} if _SHORTCUTS else None)  # what its passes 3 share
-    pinned_bytes = sum(sizes.w(m) for m in start.pinned if m in models)
-    order, peak_out = run_order(shape, sizes, budget.gpu, prov, start, budget.host - pinned_bytes)
-    if len(order) < len(ncs):  # the nodes of a cycle never get ready
-        left_out = set(shape.names) - {shape.names[n] for n in order}
-        raise cycle_error(dag) or RuntimeError(f"pass 1 left out {sorted(left_out)}")
-    everything = frozenset(models)
-    # results early where that moves no byte more than the grouped order, with or without them (module docstring,
-    # pass 1); pass 1's order stands in for the grouped one where grouping would hold more host RAM than there is
-    early = FinishEarly(shape.succs, order, prov, sizes.nbytes, budget.gpu, sorted(start.gpu))
-    chosen = early(order)
-    first = pass3.assign(chosen, shape, sizes, budget, cost, start, prov, everything, repeat, memo)
-    streams = any(r[-1] is not None for r in first.rows)  # a row's last field: its block plan
-    if max(first.loads.values(), default=0) > 1 or streams:  # else no order moves less
-        host_room = max(budget.host - pinned_bytes, peak_out)  # (pass 1 may have had to go over it)
+class _Planner:
+    """One call of `plan`: its inputs, prepared once for the passes."""
+
+    def __init__(self, dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
+                 budget: Budget, cost: CostModel, start: Residency, repeat: bool, context: PlanContext) -> None:
+        if start.kept:
+            models = {**models, **{m.key: m for m in start.kept if m.key in start.gpu}}
+        self.nodes, free = _validate(dag, costs, models, start, budget.gpu)
+        self.dag, self.costs, self.models, self.budget, self.cost, self.start = dag, costs, models, budget, cost, start
+        self.repeat, self.fast = repeat, not context.reference
+        self.shape = Shape(dag, self.nodes, free, costs)  # the passes order the nodes that need something, by number
+        self.sizes = Sizes(models, context.blocks)
+        self.kinds, self.prov = node_kinds(dag, self.shape.costs, self.sizes, budget.gpu, self.fast)
+        self.memo = pass3.Memo(self.kinds, {} if self.fast else None)  # what its passes 3 share
+        self.pinned_bytes = sum(self.sizes.w(m) for m in start.pinned if m in models)
+
+    def assign(self, order: list[int], start: Residency, pins: frozenset[str]) -> pass3.Assigned:
+        return pass3.assign(order, self.shape, self.sizes, self.budget, self.cost, start, self.prov, pins,
+                            self.repeat, self.memo)
+
+    def plan(self) -> Plan:
+        shape, budget = self.shape, self.budget
+        order, peak_out = run_order(shape, self.sizes, budget.gpu, self.prov, self.start,
+                                    budget.host - self.pinned_bytes)
+        if len(order) < len(shape.costs):  # the nodes of a cycle never get ready
+            left_out = set(shape.names) - {shape.names[n] for n in order}
+            raise cycle_error(self.dag) or RuntimeError(f"pass 1 left out {sorted(left_out)}")
+        order, first, peak_out = self.best_order(order, peak_out)
+        evicted = self.evicted(order, first)
+        pins = pass3.choose_pins(first, self.sizes, shape.costs, order, self.start,
+                                 budget.host - peak_out - self.pinned_bytes, evicted)  # pass 2
+        if self.used() <= pins:
+            done = first
+        elif self.fast and evicted <= pins and first.weighed <= pins:  # the copies left out change
+            #                                                                        no choice (Assigned.repinned)
+            done = first.repinned(pins)
+        else:
+            done = self.assign(order, self.start, pins)
+        parts = {k: self.sizes.parts[k] for r in done.rows for k in r.resident if k in self.sizes.parts}
+        return Plan(done.steps(shape, self.cost, tuple(sorted(self.start.gpu))), budget, {**self.models, **parts},
+                    done.end, self.start, {n: self.costs[n].class_type for n in self.nodes}, self.cost)
+
+    def best_order(self, order: list[int], peak_out: int) -> tuple[list[int], pass3.Assigned, int]:
+        """Results early where that moves no byte more than the grouped order, with or without them (module
+        docstring, pass 1); pass 1's order stands in for the grouped one where grouping would hold more host RAM
+        than there is. Returns the order, its pass 3 with every model pinned, and its peak of host RAM in outputs."""
+        shape, everything = self.shape, frozenset(self.models)
+        early = FinishEarly(shape.succs, order, self.prov, self.sizes.nbytes, self.budget.gpu, sorted(self.start.gpu))
+        chosen = early(order)
+        first = self.assign(chosen, self.start, everything)
+        if max(first.loads.values(), default=0) <= 1 and not first.streams:  # no order moves less
+            return chosen, first, peak_out
+        host_room = max(self.budget.host - self.pinned_bytes, peak_out)  # (pass 1 may have had to go over it)
         tight = sum(shape.hb) > host_room  # else no order holds more than there is
-        grouped = grouped_order(order, shape, prov)
+        grouped = grouped_order(order, shape, self.prov)
         if tight and host_peak(grouped, shape) > host_room:
             grouped = order
         # pass 3 runs a node that has one variant without models, streams or GPU bytes (an image loaded) where it is,
         # moving nothing, and no such node meets a model in its look ahead: orders that differ only in where those
         # nodes run get the same choices for the others
-        neutral = [len(nc.variants) == 1 and not uses_gpu(nc.variants[0]) for nc in ncs]
+        neutral = [len(nc.variants) == 1 and not uses_gpu(nc.variants[0]) for nc in shape.costs]
 
         def on_gpu(o: list[int]) -> list[int]:
-            return [n for n in o if not neutral[n]] if _SHORTCUTS and any(neutral) else o
+            return [n for n in o if not neutral[n]] if self.fast and any(neutral) else o
 
         tried, tried_first = [on_gpu(chosen)], chosen
         for cand in (early(grouped) if grouped != order else chosen, grouped):
             if on_gpu(cand) in tried or (tight and host_peak(cand, shape) > host_room):
                 continue
             tried.append(on_gpu(cand))
-            other = pass3.assign(cand, shape, sizes, budget, cost, start, prov, everything, repeat, memo)
+            other = self.assign(cand, self.start, everything)
             if other.moved < first.moved:
                 first, chosen = other, cand
         if chosen is not tried_first:
             peak_out = host_peak(chosen, shape)
-    order = chosen
-    # a pinned copy pays only for a model that gets unloaded: in this run, in the next one if it repeats, or by
-    # some other prompt when the used models cannot all stay on the GPU together
-    evicted = set(first.unloaded)
-    evicted |= {m for v in first.chosen for m in v.streams}
-    used_models = {m for v in first.chosen for m in v.models + v.streams}
-    if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen), default=0) \
-            > budget.gpu:
-        evicted |= used_models  # the models cannot all stay: any of them may have to leave for a later prompt
-    variants = {}  # the variants of a node of each kind: all the variants of the plan
-    for n, k in enumerate(kinds):
-        variants.setdefault(k, ncs[n].variants)
-    used = {m for vs in variants.values() for v in vs for m in v.models}
-    # (the next run can only add candidates that are not in yet, and none where it surely moves nothing)
-    if repeat and not used <= evicted and not (_SHORTCUTS and all_fit(variants.values(), sizes, budget.gpu,
-                                                                       first.end)):
-        nxt = pass3.assign(order, shape, sizes, budget, cost, first.end, prov, everything, repeat, memo)
-        evicted |= nxt.unloaded
-        evicted |= {m for v in nxt.chosen for m in v.streams}
-    pins = pass3.choose_pins(first, sizes, ncs, order, start, budget.host - peak_out - pinned_bytes, evicted)
-    if used <= pins:
-        done = first
-    elif _SHORTCUTS and evicted <= pins and first.weighed <= pins:  # the copies left out change no choice
-        #                                                                  (Assigned.repinned)
-        done = first.repinned(pins)
-    else:
-        done = pass3.assign(order, shape, sizes, budget, cost, start, prov, pins, repeat, memo)
-    parts = {k: sizes.parts[k] for s in done.rows for k in s[3] if k in sizes.parts} if sizes.parts else {}
-    #         (a row's resident keys)
-    return Plan(done.steps(shape, cost, tuple(sorted(start.gpu))), budget, {**models, **parts}, done.end, start,
-                {n: costs[n].class_type for n in nodes}, cost)
+        return chosen, first, peak_out
+
+    def used(self) -> set[str]:
+        """The models the variants of the plan's nodes name."""
+        return {m for nc in self.shape.costs for v in nc.variants for m in v.models}
+
+    def evicted(self, order: list[int], first: pass3.Assigned) -> set[str]:
+        """The models a pinned copy pays for: those unloaded or streamed in this run, all the used ones when they
+        cannot all stay on the GPU together (another prompt may push any of them out), and, with `repeat`, those
+        unloaded or streamed in the next run (left out where it surely moves nothing)."""
+        sizes, gpu = self.sizes, self.budget.gpu
+        evicted = set(first.unloaded) | {m for v in first.chosen for m in v.streams}
+        used_models = {m for v in first.chosen for m in v.models + v.streams}
+        if sum(sizes.w(m) for m in used_models) + max((v.activation for v in first.chosen), default=0) > gpu:
+            evicted |= used_models
+        kinds: dict[int, tuple] = {}  # the variants of a node of each kind: all the variants of the plan
+        for n, k in enumerate(self.kinds):
+            kinds.setdefault(k, self.shape.costs[n].variants)
+        if self.repeat and not self.used() <= evicted and not (self.fast and all_fit(kinds.values(), sizes, gpu,
+                                                                                      first.end)):
+            nxt = self.assign(order, first.end, frozenset(self.models))
+            evicted |= nxt.unloaded
+            evicted |= {m for v in nxt.chosen for m in v.streams}
+        return evicted

@@ -28,7 +28,6 @@ against brute force on small cases, tests/test_fast_paths.py against the same se
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 from dataclasses import dataclass
@@ -196,19 +195,51 @@ def _spread(positions: list[int], k: int) -> list[int]:
     return [positions[(2 * j + 1) * n // (2 * k)] for j in range(k)]
 
 
-def choose(spec: Blocks, room: int, bandwidth: float) -> BlockPlan | None:
-    """The resident set with the least predicted time whose `gpu_bytes` fits in `room`, or None if none fits."""
-    return _choose(spec, room, bandwidth * STREAM_COPY_EFFICIENCY)
+class BlockCache:
+    """The block choices (`choose`) and the times of streamed sets, by spec, for the plans of one caller (owned by its
+    graph/plan/planner.py `PlanContext`): a queue of N prompts asks N times for the same node at the same room, the
+    searches of one node at several rooms time many of the same sets, and the next queue asks again. Each table is
+    cleared when it reaches `limit` entries. Shared by threads it stays correct: an answer is the same whoever makes
+    it, and a lost race only makes it twice."""
+
+    def __init__(self, limit: int = 512) -> None:
+        self.limit = limit
+        self.chosen: dict[tuple[Blocks, int, float], BlockPlan | None] = {}
+        self.times: dict[tuple[Blocks, float], dict[tuple[int, ...], float]] = {}
+
+    def choose(self, spec: Blocks, room: int, bw: float) -> BlockPlan | None:
+        key = (spec, room, bw)
+        if key in self.chosen:
+            return self.chosen[key]
+        got = _choose(spec, room, bw, self)
+        if len(self.chosen) >= self.limit:
+            self.chosen.clear()
+        self.chosen[key] = got
+        return got
+
+    def times_of(self, spec: Blocks, bw: float) -> dict[tuple[int, ...], float]:
+        """`seconds` of the streamed sets looked at so far, for one spec and bandwidth (the room does not matter)."""
+        got = self.times.get((spec, bw))
+        if got is None:
+            if len(self.times) >= self.limit:
+                self.times.clear()
+            got = self.times[(spec, bw)] = {}
+        return got
 
 
-@functools.lru_cache(maxsize=512)  # a queue of N prompts asks N times for the same node at the same room
-def _choose(spec: Blocks, room: int, bw: float) -> BlockPlan | None:
+def choose(spec: Blocks, room: int, bandwidth: float, cache: BlockCache | None = None) -> BlockPlan | None:
+    """The resident set with the least predicted time whose `gpu_bytes` fits in `room`, or None if none fits
+    (`cache`: the caller's, else one for this call)."""
+    return (cache or BlockCache()).choose(spec, room, bandwidth * STREAM_COPY_EFFICIENCY)
+
+
+def _choose(spec: Blocks, room: int, bw: float, cache: BlockCache) -> BlockPlan | None:
     n = len(spec.sizes)
     kinds: dict[tuple[int, float], list[int]] = {}
     for i in range(n):
         kinds.setdefault((spec.sizes[i], spec.seconds[i]), []).append(i)
     groups = list(kinds.values())
-    search = _Search(spec, room, bw)
+    search = _Search(spec, room, bw, cache.times_of(spec, bw))
     spread = []
     for counts in itertools.product(*(range(len(g) + 1) for g in groups)):
         streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in _spread(g, k)))
@@ -239,11 +270,11 @@ class _Search:
     """What the search asks many times of one (spec, room, bandwidth): whether a streamed set fits, a floor under
     its time, and its time (each computed once)."""
 
-    def __init__(self, spec: Blocks, room: int, bw: float) -> None:
+    def __init__(self, spec: Blocks, room: int, bw: float, times: dict[tuple[int, ...], float] | None = None) -> None:
         self.spec, self.room, self.bw = spec, room, bw
         self.total = spec.fixed + sum(spec.sizes)
         self.pass_compute = sum(spec.seconds)
-        self.times = _times(spec, bw)
+        self.times = {} if times is None else times
 
     def fits(self, streamed: tuple[int, ...]) -> bool:
         return self.spec.gpu_bytes(streamed) <= self.room
@@ -269,12 +300,6 @@ class _Search:
         if t is None:
             t = self.times[streamed] = seconds(self.spec, streamed, self.bw)
         return t
-
-
-@functools.lru_cache(maxsize=64)  # the searches of one node at several rooms look at many of the same sets
-def _times(spec: Blocks, bw: float) -> dict[tuple[int, ...], float]:
-    """`seconds` of the streamed sets looked at so far, for one spec and bandwidth (the room does not matter)."""
-    return {}
 
 
 def _improve(search: _Search, streamed: tuple[int, ...], secs: float) -> tuple[float, tuple[int, ...]]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
@@ -19,21 +19,22 @@ from .residency import BlockPlan
 from .types import GiB, ModelCost, NodeCost, PlanError, Residency, gib
 
 if TYPE_CHECKING:
-    from ...nodes.types import Variant
+    from ...nodes.types import Blocks, Variant
 
 
 class Sizes:
     """Byte sums of model sets and variants, and the block choices of streamed variants, memoised for one plan (the
     planner's inner loops ask often; variants and specs by identity: they live as long as the plan's costs)."""
 
-    def __init__(self, models: Mapping[str, ModelCost]) -> None:
+    def __init__(self, models: Mapping[str, ModelCost], blocks: residency.BlockCache | None = None) -> None:
         self.models = models
+        self.blocks = blocks or residency.BlockCache()  # the block choices, shared by the plans of one caller
         self._cache: dict[tuple[str, ...], int] = {}
         self._unique: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._blocks: dict[tuple[int, int, float], BlockPlan | None] = {}
-        self._specs: dict[tuple, Any] = {}  # a Blocks' fields -> the first Blocks seen with them
-        self._of_blocks: Any = None
-        self._spec: dict[int, Any] = {}  # id of a Blocks -> the first equal one seen
+        self._specs: dict[tuple, Blocks] = {}  # a Blocks' fields -> the first Blocks seen with them
+        self._of_blocks: Callable[[Blocks], tuple] | None = None
+        self._spec: dict[int, Blocks] = {}  # id of a Blocks -> the first equal one seen
         self._alone: dict[int, int] = {}
         self.parts: dict[str, ModelCost] = {}  # kept parts (graph/plan/residency.py) made by pass 3, by key
         self._base: dict[str, str | None] = {}
@@ -104,14 +105,14 @@ class Sizes:
 
     def choose(self, v: Variant, room: int, bandwidth: float) -> BlockPlan | None:
         """residency.choose for the blocks of v, once per distinct spec and room: the nodes of a queue have equal
-        specs in distinct objects, and the cache behind residency.choose hashes and compares a whole spec per call."""
+        specs in distinct objects, and `blocks` (residency.BlockCache) hashes and compares a whole spec per call."""
         spec = self._canonical(v)
         key = (id(spec), room, bandwidth)
         if key not in self._blocks:
-            self._blocks[key] = residency.choose(spec, room, bandwidth)
+            self._blocks[key] = residency.choose(spec, room, bandwidth, self.blocks)
         return self._blocks[key]
 
-    def _canonical(self, v: Variant) -> Any:
+    def _canonical(self, v: Variant) -> Blocks:
         """The first spec seen equal to v's blocks (the caches above key specs by its identity)."""
         b = v.blocks
         assert b is not None
@@ -120,7 +121,7 @@ class Sizes:
             spec = self._spec[id(b)] = self._specs.setdefault(self.of_blocks(b), b)
         return spec
 
-    def of_blocks(self, b: Any) -> tuple:
+    def of_blocks(self, b: Blocks) -> tuple:
         """A Blocks' fields as a plain tuple (hashed and compared in C, where a dataclass's own methods build the same
         tuple in Python)."""
         if self._of_blocks is None:
@@ -152,7 +153,7 @@ def node_kinds(dag: nx.DiGraph, costs: list[NodeCost], sizes: Sizes, gpu: int, s
     look ahead's questions), and so is one with one variant without weights, where a key would cost more than it
     saves (`shortcuts` False: every kind by its key).
     Raises PlanError at the first node that fits with no variant."""
-    of_variant = of_blocks = None
+    of_variant: Callable[[Variant], tuple] | None = None
     by_key: dict[tuple, int] = {}
     by_ids: dict[tuple[int, ...], int] = {}  # the same variant objects: the same kind, without a look at their fields
     #                                          (the estimates of a queue's nodes share them, nodes/estimates.py)
@@ -178,8 +179,7 @@ def node_kinds(dag: nx.DiGraph, costs: list[NodeCost], sizes: Sizes, gpu: int, s
                     if of_variant is None:
                         of_variant = operator.attrgetter(*(f.name for f in dataclasses.fields(vs[0])
                                                            if f.name != "blocks"))
-                        of_blocks = sizes.of_blocks
-                    key = tuple([(of_variant(u), u.blocks and of_blocks(u.blocks)) for u in vs])
+                    key = tuple([(of_variant(u), u.blocks and sizes.of_blocks(u.blocks)) for u in vs])
                     k = by_ids[ids] = by_key.setdefault(key, len(fit))
             if shortcuts and (len(ids) == 1 or len(set(ids)) == len(ids)):
                 by_list[id(vs)] = k

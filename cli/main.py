@@ -38,7 +38,11 @@ GENERATE_OPTIONS = {"width": "--width", "height": "--height", "steps": "--steps"
 
 
 def _engine_args(p: argparse.ArgumentParser, outputs: bool = True, json_flag: bool = True) -> None:
-    p.add_argument("--models", action="append", default=None, help="models folder (repeatable)")
+    p.add_argument("--models", action="append", default=None,
+                   help="a ComfyUI models folder, or ComfyUI's own folder (repeatable)")
+    p.add_argument("--extra-model-paths-config", dest="extra_model_paths", action="extend", nargs="+", default=[],
+                   metavar="YAML", help="ComfyUI's extra_model_paths.yaml (repeatable; the one in a ComfyUI root "
+                                        "given to --models is read anyway)")
     p.add_argument("--demo", action="store_true",
                    help=f"tiny random-weight models and input images (written to ./{DEMO_FOLDER}) instead of --models")
     p.add_argument("--config", default=None, help="JSON config with models/input/output/vram/reserve")
@@ -108,9 +112,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--force", action="store_true", help="overwrite existing PNGs")
     g.add_argument("--checkpoint", default=None,
                    help="a whole-model folder (HF, or the three files): a path, or a name in <models>/checkpoints")
-    g.add_argument("--transformer", default="flux-2-klein-4b.safetensors")
-    g.add_argument("--text-encoder", default="qwen_3_4b.safetensors")
-    g.add_argument("--vae", default="flux2-vae.safetensors")
+    g.add_argument("--transformer", default="flux-2-klein-4b.safetensors", metavar="FILE",
+                   help="the transformer: a path, or a name in <models>/diffusion_models (default %(default)s)")
+    g.add_argument("--text-encoder", default="qwen_3_4b.safetensors", metavar="FILE",
+                   help="the text encoder: a path, or a name in <models>/text_encoders (default %(default)s)")
+    g.add_argument("--vae", default="flux2-vae.safetensors", metavar="FILE",
+                   help="the VAE: a path, or a name in <models>/vae (default %(default)s)")
     _engine_args(g, outputs=False)
     i = sub.add_parser("inspect", help="recognise checkpoints and print their spec (reads headers only)")
     i.add_argument("models", nargs="+")
@@ -181,6 +188,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         args.models, args.input = models, inputs  # the server reads them from args
         log.info("demo: tiny random-weight models in %s, so the pictures are noise", demo_models)
     return Settings(models=models, config=getattr(args, "config", None), input=inputs,
+                    extra_model_paths=tuple(getattr(args, "extra_model_paths", None) or ()),
                     output=getattr(args, "output", None), vram=getattr(args, "vram", None),
                     reserve=getattr(args, "reserve", None), device=getattr(args, "device", None),
                     devices=getattr(args, "devices", None), dtype=getattr(args, "dtype", None),
@@ -475,7 +483,8 @@ def _say_error(args: argparse.Namespace, e: BaseException, body: dict | None) ->
 
 
 def _settings_quiet(args: argparse.Namespace) -> Settings:
-    return Settings(models=getattr(args, "models", None), config=getattr(args, "config", None))
+    return Settings(models=getattr(args, "models", None), config=getattr(args, "config", None),
+                    extra_model_paths=tuple(getattr(args, "extra_model_paths", None) or ()))
 
 
 def main(argv: list[str] | None = None, commands: Mapping[str, Callable[[argparse.Namespace], int]] | None = None

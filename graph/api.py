@@ -222,8 +222,14 @@ class Pipeline:
                                  "one in the checkpoints list of the models folders)")
             else:
                 self.checkpoint = str(checkpoint)
+        from ..nodes.catalog import FOLDERS
+        from ..nodes.modelpaths import file_or_name
+
+        self.files = {}
+        for kind, value in (("transformer", transformer), ("text_encoder", text_encoder), ("vae", vae)):
+            self.files[kind], extra = file_or_name(FOLDERS[kind], value)
+            s = s.replace(extra_folders=(*s.extra_folders, extra)) if extra is not None else s
         self.settings = s
-        self.files = {"transformer": transformer, "text_encoder": text_encoder, "vae": vae}
         self.folders = folders_from(s)
         if s.device is not None:  # a wrong device or size is refused now, not at the first image
             parse_device(s.device)

@@ -38,6 +38,7 @@ from typing import Any
 import networkx as nx
 
 from ..nodes.files import IMAGE_EXTENSIONS, MODEL_EXTENSIONS
+from ..nodes.modelpaths import not_listed
 from ..nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible, is_link, is_mapping
 from .errors import ValidationFailed
 from .families import unsupported_model
@@ -381,6 +382,10 @@ def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type],
             continue
         error, converted = _check_literal(x, val, input_type, opts, info)
         if error is not None:
+            more = not_listed(memo.folders, nodes[class_type], x, val) if error["type"] == "value_not_in_list" \
+                else None
+            if more:  # a model file: where it was looked for, the closest name, how to get it
+                error["details"] = f"{x}: '{val}' not in {_short_list(_choices(input_type, opts) or [])}; {more}"
             errors.append(error)
         else:
             inputs[x] = converted

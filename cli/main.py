@@ -5,6 +5,7 @@
     vramgraph plan WORKFLOW.json [WORKFLOW2.json ...] [--prompts N] [--vram 12GiB] [--size 1536x1536] [--json]
     vramgraph generate -p PROMPT [-W 1024 -H 1024 -S SEED --steps N --guidance G -i REF ...] [-o FILE]
     vramgraph inspect MODEL...      vramgraph demo      vramgraph session
+    vramgraph fetch WORKFLOW|PNG ... [--model NAME] [--models DIR] [--dry-run]
     vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB] [--broker amqp://...]
     vramgraph worker --broker amqp://... --models DIR [--vram 80GiB]
 
@@ -151,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     ss.add_argument("--checkpoint", default=None)
     ss.add_argument("-o", "--out-dir", default="output", help="where images are saved (!save DIR changes it)")
     _engine_args(ss, outputs=False)
+    from .fetch import add_parser as fetch_parser
+
+    fetch_parser(sub)
     d = sub.add_parser("demo", help="tiny random-weight models + the shipped workflows, end to end (any machine)")
     d.add_argument("--out", default=str(DEMO_FOLDER), help="folder for the tiny models, inputs and PNGs")
     d.add_argument("--json", action="store_true", help="errors as JSON")
@@ -432,8 +436,14 @@ def _outside(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run
 
 
+def _fetch(args: argparse.Namespace) -> int:
+    from .fetch import run_fetch
+
+    return run_fetch(args, folders_from(_settings(args)))
+
+
 COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _generate, "inspect": _inspect,
-            "demo": _demo, "session": _session}
+            "demo": _demo, "session": _session, "fetch": _fetch}
 
 
 # ------------------------------------------------------------------------------------------ errors

@@ -1,9 +1,9 @@
 """Where model files are looked for, the way ComfyUI looks: models roots, `extra_model_paths.yaml`, and what a
 "not found" says.
 
-- `models_root(path)`: what a user points `--models` at, made into a models folder: a ComfyUI root (it holds a
-  `models/` folder) gives its `models/`; a folder one level too deep (`…/models/diffusion_models`) gives its
-  parent. Anything else is taken as given.
+- `models_root(path)`: what a user points `--models` at, made into a models folder: a ComfyUI root (its
+  main.py and custom_nodes/, or a `models/` folder with model folders in it) gives its `models/`; a folder one
+  level too deep (`…/models/diffusion_models`) gives its parent. Anything else is taken as given.
 - `read_extra_model_paths(yaml)`: ComfyUI's `extra_model_paths.yaml` (utils/extra_config.py): top-level groups,
   each with an optional `base_path` (`~` and `$VARS` expanded, relative to the YAML's folder) and `is_default`
   (its folders are searched first, and `vramgraph fetch` downloads into them), then `folder_name: path` entries
@@ -49,7 +49,7 @@ def models_root(path: str | Path) -> Path:
     """`path` as a models folder: a ComfyUI root -> its `models/`; a `models/<kind>` folder -> `models/`."""
     p = Path(path).expanduser()
     if not looks_like_models_folder(p):
-        if looks_like_models_folder(p / "models"):
+        if looks_like_models_folder(p / "models") or (is_comfy_root(p) and (p / "models").is_dir()):
             return p / "models"
         if p.name in KIND_FOLDERS and p.parent.is_dir():
             return p.parent
@@ -69,6 +69,11 @@ def file_or_name(folder: str, value: str | Path) -> tuple[str, ExtraPath | None]
         raise ValueError(f"{text}: no such file (give a path to a .safetensors file, or a name in the models "
                          f"folder's {folder}/)")
     return text, None
+
+
+def is_comfy_root(p: Path) -> bool:
+    """A ComfyUI installation's folder: its main.py beside custom_nodes/ (a fresh one, with empty model folders)."""
+    return (p / "main.py").is_file() and (p / "custom_nodes").is_dir()
 
 
 def comfy_root_of(models: Path) -> Path | None:

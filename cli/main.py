@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="one-shot text to image or edit with the shipped workflows")
     g.add_argument("-p", "--prompt", action="append", default=[],
                    help="the prompt; repeat it to queue several (planned together: one load per model)")
-    g.add_argument("--prompts", default=None, metavar="FILE", help="a file of prompts, one per line, queued")
+    g.add_argument("--prompts", default=None, metavar="FILE",
+                   help="a file of prompts, one per line, queued ('#' starts a comment line)")
     g.add_argument("--preview", default=None, metavar="DIR", help="write a preview PNG of every sampling step")
     g.add_argument("-n", "--negative", default=None, help="negative prompt (turns on guidance 4 if not given)")
     g.add_argument("-W", "--width", type=int, default=1024, help="a multiple of 16 (default 1024)")
@@ -163,21 +164,17 @@ def _parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ settings
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def parse_sets(items: list[str]) -> dict[str, Any]:
-    """--set NODE.INPUT=VALUE ...: VALUE is JSON (numbers, true) or else a string."""
+    """--set NODE.INPUT=VALUE ...: VALUE becomes the input's type (graph.api.Typed: text for a text input, else JSON
+    such as numbers and true, else text)."""
+    from ..graph.api import Typed
+
     sets: dict[str, Any] = {}
     for item in items:
         target, sep, value = item.partition("=")
         if not sep or "." not in target:
             raise ValueError(f"--set {item}: write NODE.INPUT=VALUE, e.g. --set 6.seed=7")
-        sets[target] = _value(value)
+        sets[target] = Typed(value)
     return sets
 
 
@@ -352,8 +349,9 @@ def _stack_svgs(parts: list[str]) -> str:
 
 def _prompts(args: argparse.Namespace) -> list[str]:
     texts = list(args.prompt)
-    if args.prompts:
-        texts += [t.strip() for t in Path(args.prompts).read_text().splitlines() if t.strip()]
+    if args.prompts:  # one prompt a line; blank lines and lines starting with # are left out
+        texts += [t.strip() for t in Path(args.prompts).read_text().splitlines()
+                  if t.strip() and not t.lstrip().startswith("#")]
     if not texts:
         raise ValueError("give a prompt with -p TEXT (repeatable) or --prompts FILE")
     return texts

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import json
 import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -97,19 +98,65 @@ def apply_sets(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -
     return prompt
 
 
+@dataclass(frozen=True)
+class Typed:
+    """A `set` value as typed on a command line: it becomes the input's type when the input is known (text for a
+    STRING input or a list of names, so `Prompt.text=1984` stays "1984"), else JSON when it parses (7, 1.5, true),
+    else the text."""
+
+    text: str
+
+    def value(self, declared: Any) -> Any:
+        kind = declared[0] if isinstance(declared, tuple | list) and declared else None
+        if kind == "STRING" or (isinstance(kind, list) and self.text in kind):
+            return self.text
+        try:
+            return json.loads(self.text)
+        except ValueError:
+            return self.text
+
+
+def _declared_inputs(class_type: str) -> dict[str, Any] | None:
+    """A node class's declared inputs by name (None: a class we do not know, or whose inputs cannot be listed)."""
+    from ..nodes import ENGINE_NODES
+
+    cls = ENGINE_NODES.get(class_type)
+    try:
+        spec = cls.INPUT_TYPES() if cls is not None else None
+    except Exception:  # a class whose INPUT_TYPES needs its runtime: nothing to check against
+        return None
+    return None if spec is None else {**spec.get("required", {}), **spec.get("optional", {})}
+
+
+def _closest(word: str, names: Sequence[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
 def set_inputs(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -> list[tuple[str, str, Any]]:
-    """`apply_sets`, returning what was set as (node id, input, value)."""
+    """`apply_sets`, returning what was set as (node id, input, value). A node that is not there, or an input its
+    class does not declare, is refused naming the closest one (a typo would otherwise set nothing)."""
     done = []
     for target, value in sets.items():
         node, dot, name = str(target).rpartition(".")
-        what = f"{prefix}{target}={value}"
+        shown = value.text if isinstance(value, Typed) else value
+        what = f"{prefix}{target}={shown}"
         if not dot or not node or not name:
             raise ValueError(f"{what}: write NODE.INPUT=VALUE, e.g. 6.seed=7 or Sampler.seed=7")
         ids = [node] if node in prompt else [i for i, n in prompt.items()
                                             if n.get("_meta", {}).get("title") == node]
         if len(ids) != 1:
-            raise ValueError(f"{what}: no node with id or title '{node}'" if not ids else
-                             f"{what}: several nodes are titled '{node}' ({', '.join(ids)}); use the id")
+            titles = [str(n.get("_meta", {}).get("title")) for n in prompt.values() if n.get("_meta", {}).get("title")]
+            raise ValueError(f"{what}: no node with id or title '{node}'{_closest(node, [*titles, *prompt])}" if not ids
+                             else f"{what}: several nodes are titled '{node}' ({', '.join(ids)}); use the id")
+        declared = _declared_inputs(str(prompt[ids[0]].get("class_type")))
+        if declared is not None and name not in declared and name not in prompt[ids[0]].get("inputs", {}):
+            raise ValueError(f"{what}: node {node} ({prompt[ids[0]]['class_type']}) has no input '{name}'"
+                             f"{_closest(name, list(declared))}")
+        if isinstance(value, Typed):
+            value = value.value((declared or {}).get(name))
         prompt[ids[0]].setdefault("inputs", {})[name] = value
         done.append((ids[0], name, value))
     return done
@@ -471,4 +518,4 @@ def _open(path: Path) -> Any:
     return copy
 
 
-__all__ = ["Generated", "Outputs", "Pipeline", "apply_sets", "check_generate", "load", "resize"]
+__all__ = ["Generated", "Outputs", "Pipeline", "Typed", "apply_sets", "check_generate", "load", "resize"]

@@ -205,24 +205,14 @@ def _pipeline(args: argparse.Namespace, **kw: Any) -> Any:
 # ------------------------------------------------------------------------------------------ commands
 
 class _Bars:
-    """tqdm progress for the node that is running; step previews written to a folder."""
+    """The engine's events a command shows besides the progress bars (graph.progress): model moves, step
+    previews written to a folder."""
 
     def __init__(self, preview_dir: str | None = None) -> None:
-        self.bar: Any = None
         self.preview_dir = Path(preview_dir) if preview_dir else None
 
     def __call__(self, kind: str, data: dict) -> None:
-        from tqdm import tqdm
-
-        if kind == "progress":
-            if self.bar is None:
-                self.bar = tqdm(total=data["max"], desc=f"node {data['node']}", leave=False)
-            self.bar.n = data["value"]
-            self.bar.refresh()
-        elif kind in ("executed", "execution_success") and self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        elif kind == "vg_step":
+        if kind == "vg_step":
             log.info("  %s %s", data["kind"], data["model"].split(":")[0])
         elif kind == "preview" and self.preview_dir is not None:
             self.preview_dir.mkdir(parents=True, exist_ok=True)
@@ -243,7 +233,7 @@ def _run(args: argparse.Namespace) -> int:
 
     for w in args.workflow:  # a bad --set is the user's, before anything loads
         load(w, sets, prefix="--set ")
-    outs = pipe.run([w for w in args.workflow], set=sets, events=_Bars(args.preview))
+    outs = pipe.run([w for w in args.workflow], set=sets, events=_Bars(args.preview), progress=True)
     _log_run(outs[0].result)
     for out in outs:
         for p in out.paths:
@@ -255,7 +245,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from ..graph.api import load
-    from ..graph.errors import WorkflowError
+    from ..graph.errors import WorkflowError, validation_lines
     from ..graph.validate import validate
     from ..nodes import ENGINE_NODES
 
@@ -277,10 +267,10 @@ def _validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(check.response(), indent=1))
         return 1
-    for line in _validation_lines(check.response()):
+    for line in validation_lines(check.response()):
         print(f"vramgraph validate: {line}", file=sys.stderr)
     hint = no_models_hint(folders)
-    if hint:
+    if hint and _about_files(check.response()):
         print(f"vramgraph validate: {hint}", file=sys.stderr)
     return 1
 
@@ -308,6 +298,7 @@ def _plan(args: argparse.Namespace) -> int:
         return _plan_devices(pipe, args)
     several = args.workflow if len(args.workflow) > 1 else args.workflow[0]
     prep, budget = pipe.planned(several, size=args.size, set=parse_sets(args.set), prompts=args.prompts)
+    log.info("%s", pipe.assumed())
     print(json.dumps(prep.plan.to_json(), indent=1) if args.json else prep.plan.table())
     if args.svg:
         title = " + ".join(Path(w).name for w in args.workflow) + (f" x {args.prompts}" if args.prompts > 1 else "")
@@ -382,7 +373,7 @@ def _generate(args: argparse.Namespace) -> int:
         pipe.previews = bool(args.preview)
         made = pipe.generate(texts, seed=args.seed, width=args.width, height=args.height, steps=args.steps,
                              guidance=args.guidance, negative=args.negative, images=args.image,
-                             events=_Bars(args.preview), spell=GENERATE_OPTIONS)
+                             events=_Bars(args.preview), progress=True, spell=GENERATE_OPTIONS)
         for g, target in zip(made, targets, strict=True):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(g.paths[0]), target)
@@ -446,48 +437,31 @@ COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _gene
 
 # ------------------------------------------------------------------------------------------ errors
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _validation_lines(response: dict) -> list[str]:
-    """ComfyUI's /prompt error answer as one line per node error (or the top error when no node has one)."""
-    lines = []
-    for node, entry in response.get("node_errors", {}).items():
-        for err in entry.get("errors", []):
-            lines.append(f"node {node} ({entry.get('class_type', '?')}): {_one_line(err.get('details') or '')}"
-                         f" [{err.get('type')}]" if err.get("details") else
-                         f"node {node} ({entry.get('class_type', '?')}): {_one_line(err.get('message', ''))}")
-    if not lines:
-        e = response.get("error", {})
-        lines.append(_one_line(f"{e.get('message', 'invalid prompt')}: {e.get('details')}" if e.get("details")
-                               else e.get("message", "invalid prompt")))
-    return lines
-
-
 def _say_error(args: argparse.Namespace, e: BaseException, body: dict | None) -> None:
-    """One line on stderr, or ComfyUI's JSON with --json."""
-    from ..graph.errors import NodeExecutionError, ValidationFailed
+    """One line on stderr (graph.errors.one_line), or ComfyUI's JSON with --json."""
+    from ..graph.errors import ValidationFailed, one_line, summary
 
     if getattr(args, "json", False) and body is not None:
         print(json.dumps(body, indent=1, default=str), file=sys.stderr)
         return
+    line = one_line(e)
     if isinstance(e, ValidationFailed):
-        lines = _validation_lines(e.response)
-        line = lines[0] + (f" (and {len(lines) - 1} more: vramgraph validate lists them)" if len(lines) > 1 else "")
+        line = summary(e.response, ": vramgraph validate lists them")
         try:
             hint = no_models_hint(folders_from(_settings_quiet(args)))
         except ValueError:
             hint = None
-        line += f"; {hint}" if hint else ""
-    elif isinstance(e, NodeExecutionError):
-        line = f"node {e.node_id} ({e.class_type}) failed: {e.exception_message}"
-    elif hasattr(e, "to_dict") and isinstance(e.to_dict(), dict) and "message" in e.to_dict():
-        d = e.to_dict()
-        line = f"{d['message']}: {d['details']}" if d.get("details") else d["message"]
-    else:
-        line = str(e)
-    print(f"vramgraph {args.command}: {_one_line(line)}", file=sys.stderr)
+        line += f"; {hint}" if hint and _about_files(e.response) else ""
+    print(f"vramgraph {args.command}: {line}", file=sys.stderr)
+
+
+def _about_files(response: dict) -> bool:
+    """Whether a refusal is about a model file (where a missing models folder is the reason worth adding)."""
+    from ..nodes.files import MODEL_EXTENSIONS
+
+    return any(err.get("type") == "value_not_in_list" and
+               str((err.get("extra_info") or {}).get("received_value", "")).lower().endswith(MODEL_EXTENSIONS)
+               for entry in response.get("node_errors", {}).values() for err in entry.get("errors", []))
 
 
 def _settings_quiet(args: argparse.Namespace) -> Settings:

@@ -13,8 +13,9 @@
 The same settings, budget (graph/budget.py), planner and errors as the command line, which is a thin layer
 over this module: a workflow that does not validate raises `ValidationFailed` (ComfyUI's /prompt answer in
 `.response`), one that does not fit raises `PlanError`, a failing node `NodeExecutionError`, an impossible
-argument `ValueError` naming it and its allowed range. Nothing is printed; `events=` receives the engine's
-events (ComfyUI's websocket message types) for progress.
+argument `ValueError` naming it and its allowed range. Nothing is printed; `progress=True` draws a progress bar
+per node (`progress=callable` gets graph.progress.Progress records instead), and `events=` receives the
+engine's events (ComfyUI's websocket message types).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import io
 import json
 import logging
 import secrets
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +39,7 @@ WORKFLOWS = Path(__file__).parent.parent / "workflows"
 DEFAULT_FILES = {"transformer": "flux-2-klein-4b.safetensors", "text_encoder": "qwen_3_4b.safetensors",
                  "vae": "flux2-vae.safetensors"}
 Events = Callable[[str, dict], None]
+Progress = bool | Callable[[Any], None] | None  # True: a bar per node; a callable: graph.progress.Progress records
 log = logging.getLogger("vramgraph")
 SIZE_NODES = ("EmptyFlux2LatentImage", "VGEmptyLatent", "Flux2Scheduler")
 
@@ -319,10 +322,11 @@ class Pipeline:
     def generate(self, prompt: str | Sequence[str], *, seed: int | None = None, width: int = 1024,
                  height: int = 1024, steps: int | None = None, guidance: float | None = None,
                  negative: str | None = None, images: Sequence[Any] = (), events: Events | None = None,
-                 spell: Mapping[str, str] | None = None) -> Generated | list[Generated]:
+                 progress: Progress = None, spell: Mapping[str, str] | None = None) -> Generated | list[Generated]:
         """Text to image (edit with `images`: PIL images or paths), with the shipped workflows. Several prompts
         are planned as one queue; seeds count up from `seed` (random when None). Returns one Generated per
-        prompt (a list for a list)."""
+        prompt (a list for a list). `progress`: True draws a progress bar per node; a callable gets each step as a
+        graph.progress.Progress (node, class_type, title, value, total)."""
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
             raise ValueError("give a prompt: a non-empty string, or a list of them")
@@ -334,7 +338,7 @@ class Pipeline:
         names = {"checkpoint": self.checkpoint} if self.checkpoint else dict(self.files)
         prompts = [build_prompt(t, width=width, height=height, seed=base + i, steps=steps, guidance=guidance,
                                 negative=negative, references=refs, **names) for i, t in enumerate(texts)]
-        outs = self._run_prompts(prompts, [None] * len(prompts), events)
+        outs = self._run_prompts(prompts, [None] * len(prompts), events, progress)
         made = [Generated(t, base + i, [im for ims in o.images.values() for im in ims], o.paths, p)
                 for i, (t, p, o) in enumerate(zip(texts, prompts, outs, strict=True))]
         return made[0] if isinstance(prompt, str) else made
@@ -356,18 +360,23 @@ class Pipeline:
 
     # -- workflows
     def run(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
-            set: Mapping[str, Any] | None = None, events: Events | None = None) -> Outputs | list[Outputs]:
+            set: Mapping[str, Any] | None = None, events: Events | None = None, progress: Progress = None
+            ) -> Outputs | list[Outputs]:
         """Run a workflow (a file, a shipped workflow's name, or a dict in API or UI format) with `set` applied;
-        several (a list) are planned as one queue. Returns the Outputs (a list for a list)."""
+        several (a list) are planned as one queue. Returns the Outputs (a list for a list). `progress` as for
+        `generate`."""
         several = isinstance(workflow, list | tuple)
         wfs = [load(w, set) for w in (workflow if several else [workflow])]
         outs = self._run_prompts([wf.prompt for wf in wfs],
-                                 [{"workflow": wf.ui} if wf.ui is not None else None for wf in wfs], events)
+                                 [{"workflow": wf.ui} if wf.ui is not None else None for wf in wfs], events,
+                                 progress)
         return outs if several else outs[0]
 
-    def _run_prompts(self, prompts: list[dict], extras: list[dict | None], events: Events | None) -> list[Outputs]:
+    def _run_prompts(self, prompts: list[dict], extras: list[dict | None], events: Events | None,
+                     progress: Progress = None) -> list[Outputs]:
+        from .progress import with_progress
+
         engine = self.engine
-        quiet: Events = events or (lambda kind, data: None)
 
         def prepare() -> tuple[Any, list[dict[str, str]]]:
             if len(prompts) == 1:
@@ -381,7 +390,8 @@ class Pipeline:
             # since), so forget the cached outputs (the models stay loaded) and make them again
             engine.free(unload_models=False, free_memory=True)
             prep, members = prepare()
-        result = engine.run(prep, extra_pnginfo=extras[0] if len(prompts) == 1 else None, events=quiet)
+        result = engine.run(prep, extra_pnginfo=extras[0] if len(prompts) == 1 else None,
+                            events=with_progress(events, progress, prep.prompt))
         outs = []
         for rename in members:
             out = Outputs(result=result)
@@ -430,12 +440,22 @@ class Pipeline:
                 resize(wf.prompt, *parse_size(size))
             queue += [queued_copy(wf.prompt, i) for i in range(prompts)]
         planning = self._planner(vram)
-        if len(queue) == 1:
-            return planning.prepare(queue[0]), planning.budget
-        from .queue import merge
+        with tempfile.TemporaryDirectory() as tmp:  # input images that are not here: planned at the size inferred
+            from ..nodes.catalog import ModelCatalog
+            from ..nodes.standins import stand_ins
 
-        outputs = frozenset(k for k, c in planning.nodes.items() if getattr(c, "OUTPUT_NODE", False))
-        return planning.prepare(merge(queue, outputs).prompt), planning.budget
+            folders, notes = stand_ins(queue, planning.nodes, planning.folders, Path(tmp))
+            for note in notes:
+                log.warning("%s", note)
+            if notes:
+                planning = replace(planning, folders=folders,
+                                   catalog=ModelCatalog(folders, planning.catalog.dtype, allow_builtin=True))
+            if len(queue) == 1:
+                return planning.prepare(queue[0]), planning.budget
+            from .queue import merge
+
+            outputs = frozenset(k for k, c in planning.nodes.items() if getattr(c, "OUTPUT_NODE", False))
+            return planning.prepare(merge(queue, outputs).prompt), planning.budget
 
     def placed(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
                size: str | tuple[int, int] | None = None, set: Mapping[str, Any] | None = None, prompts: int = 1
@@ -465,6 +485,15 @@ class Pipeline:
         placed = placement.place(prep.dag, node_costs, models, [placement.Device(n, b) for n, b in budgets.items()],
                                  outputs=prep.outputs)
         return prep, placed, {n: b.card for n, b in budgets.items()}
+
+    def assumed(self, vram: str | int | None = None) -> str:
+        """What `plan` assumes, in one line (graph.budget.assumed): the card or memory, the reserve, the costs."""
+        from .budget import assumed
+
+        s, planning = self.settings, self._planner(vram)
+        vram = vram if vram is not None else s.vram if s.vram is not None else _config_value(s, "vram")
+        device = s.device if s.device is not None or vram is not None else parse_device(None)
+        return assumed(planning.budget, planning.cost.name, device)
 
     def _planner(self, vram: str | int | None) -> Any:
         """A torch-free planning context (graph.planning.Planning). Torch is imported only to measure a device:

@@ -204,3 +204,20 @@ def not_listed(folders: Any, cls: type, input_name: str, value: Any) -> str | No
     if folders is None or not isinstance(value, str) or folder in (None, "input", "checkpoints"):
         return None
     return _where(folders, folder, value)
+
+
+def models_warning(folders: Any) -> str | None:
+    """Why a server started on `folders` could not run a prompt, said at its start: no models folder, one that does
+    not exist, or none holding a transformer (a diffusion_models/ or unet/ file, or a checkpoint folder); None when
+    there is one."""
+    if not folders.models and not folders.extra:
+        return ("no models folder: give --models DIR (a ComfyUI models folder or ComfyUI's own folder); every prompt "
+                "will be refused until then")
+    missing = [str(m) for m in folders.models if not m.is_dir()]
+    if missing:
+        return f"the models folder {', '.join(missing)} does not exist; prompts that load models will be refused"
+    if not folders.list("diffusion_models") and not folders.list("checkpoints"):
+        roots = ", ".join(str(m) for m in folders.models) or "the extra model paths"
+        return (f"no FLUX.2 [klein] transformer in {roots} (diffusion_models/, unet/ or a checkpoint folder); fetch "
+                "one: vramgraph fetch --model flux-2-klein-4b.safetensors --models DIR")
+    return None

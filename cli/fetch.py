@@ -74,7 +74,7 @@ def _clean_folder(directory: str, what: str) -> str:
 def sources_of(workflow: str | Path) -> list[Source]:
     """The model files `workflow` (JSON or PNG) loads, each with its source: the one it embeds, else the built-in
     one. A file with neither is refused naming it."""
-    from ..graph.api import load
+    from ..api.pipeline import load
     from ..nodes import ENGINE_NODES
 
     wf = load(workflow)  # a file, or a shipped workflow's name

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..graph.api import check_generate
+from ..api.pipeline import check_generate
 from ..nodes.output import next_counter
 
 HELP = __doc__.split("\n\n", 2)[2]
@@ -35,7 +35,7 @@ def describe_moves(events: list) -> str:
 
 @dataclass
 class Session:
-    """State of an interactive session over a Pipeline (graph/api.py); `handle(line, say)` shows its messages."""
+    """State of an interactive session over a Pipeline (api/pipeline.py); `handle(line, say)` shows its messages."""
 
     pipe: Any
     width: int = 1024
@@ -149,7 +149,7 @@ def repl(session: Session, read: Callable[[str], str] = input, say: Callable[[st
         try:
             session.handle(line, say)
         except Exception as e:  # the session goes on after a bad line or a failed image
-            from ..graph.errors import one_line
+            from ..graph.workflow.errors import one_line
 
             say(f"error: {one_line(e)}")
     return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from vramgraph.cli import main
-from vramgraph.graph.runtime import Settings, folders_from
+from vramgraph.graph.engine.runtime import Settings, folders_from
 from vramgraph.nodes.modelpaths import models_root, read_extra_model_paths
 
 T2I = Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json"
@@ -127,7 +127,7 @@ def test_unknown_config_keys_are_refused_with_the_closest(tmp_path: Path, capsys
 
 
 def test_generate_takes_paths_for_its_files(tiny_models: Path, tmp_path: Path) -> None:
-    from vramgraph.graph.api import Pipeline
+    from vramgraph.api.pipeline import Pipeline
 
     loose = tmp_path / "loose"
     loose.mkdir()

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from test_cli import template
 from vramgraph.__main__ import main as entry
+from vramgraph.api.pipeline import Pipeline
+from vramgraph.api.progress import Progress, ProgressBar
 from vramgraph.cli import main
 from vramgraph.cli.session import Session, repl
-from vramgraph.graph.api import Pipeline
-from vramgraph.graph.errors import ValidationFailed
-from vramgraph.graph.progress import Progress, ProgressBar
-from vramgraph.graph.workflow import load_workflow
+from vramgraph.graph.workflow.errors import ValidationFailed
+from vramgraph.graph.workflow.parse import load_workflow
 from vramgraph.nodes.catalog import builtin_bytes, builtin_config
 
 T2I = Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json"
@@ -106,7 +106,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 def test_the_server_logs_each_refusal_and_each_prompt_in_one_line(tiny_models: Path, tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.nodes.files import Folders
     from vramgraph.server.app import ServerThread, make_app
 

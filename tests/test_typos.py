@@ -8,10 +8,10 @@ import argparse
 from pathlib import Path
 
 import pytest
+from vramgraph.api.pipeline import load
 from vramgraph.cli import main
 from vramgraph.cli.main import _prompts, parse_sets
-from vramgraph.graph.api import load
-from vramgraph.graph.validate import validate
+from vramgraph.graph.workflow.validate import validate
 from vramgraph.nodes import ENGINE_NODES
 
 T2I = str(Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json")

@@ -234,3 +234,23 @@ def test_an_interrupted_download_resumes(hub: Hub, tiny_models: Path, tmp_path: 
     assert main(["fetch", str(tmp_path / "wf.json"), "--models", str(tmp_path)]) == 0
     assert (tmp_path / "vae" / "my-vae.safetensors").read_bytes() == data and not part.exists()
     assert hub.seen[-1] == ("GET", "/files/my-vae.safetensors", "bytes=1000-")
+
+
+def test_fetch_what_a_pngs_workflow_needs(hub: Hub, tiny_models: Path, tmp_path: Path) -> None:
+    """A PNG saved by ComfyUI carries its UI workflow, `properties.models` included: fetch reads it from there."""
+    from PIL import Image, PngImagePlugin
+
+    data = tiny_bytes(tiny_models)["flux2-vae.safetensors"]
+    hub.files[("someone/vae-repo", "flux2-vae.safetensors")] = data
+    wf = {"nodes": [{"id": 3, "type": "VAELoader", "widgets_values": ["flux2-vae.safetensors"], "inputs": [],
+                     "outputs": [{"name": "VAE", "type": "VAE", "links": []}],
+                     "properties": {"models": [{"name": "flux2-vae.safetensors", "directory": "vae",
+                                                "url": "https://huggingface.co/someone/vae-repo/resolve/main/"
+                                                       "flux2-vae.safetensors"}]}}],
+          "links": [], "version": 0.4}
+    info = PngImagePlugin.PngInfo()
+    info.add_text("workflow", json.dumps(wf))
+    Image.new("RGB", (8, 8)).save(tmp_path / "made.png", pnginfo=info)
+    assert main(["fetch", str(tmp_path / "made.png"), "--models", str(tmp_path / "models")]) == 0
+    assert (tmp_path / "models" / "vae" / "flux2-vae.safetensors").read_bytes() == data
+    assert any(p.startswith("/someone/vae-repo/") for _, p, _ in hub.seen)

@@ -13,8 +13,9 @@
 The same settings, budget (graph/engine/budget.py), planner and errors as the command line, which is a thin layer
 over this module: a workflow that does not validate raises `ValidationFailed` (ComfyUI's /prompt answer in
 `.response`), one that does not fit raises `PlanError`, a failing node `NodeExecutionError`, an impossible
-argument `ValueError` naming it and its allowed range. Nothing is printed; `events=` receives the engine's
-events (ComfyUI's websocket message types) for progress.
+argument `ValueError` naming it and its allowed range. Nothing is printed; `progress=True` draws a progress bar
+per node (`progress=callable` gets api.progress.Progress records instead), and `events=` receives the
+engine's events (ComfyUI's websocket message types).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import json
 import logging
 import secrets
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,6 +47,7 @@ WORKFLOWS = Path(__file__).parent.parent / "workflows"
 DEFAULT_FILES = {"transformer": "flux-2-klein-4b.safetensors", "text_encoder": "qwen_3_4b.safetensors",
                  "vae": "flux2-vae.safetensors"}
 Events = Callable[[str, dict], None]
+Progress = bool | Callable[[Any], None] | None  # True: a bar per node; a callable: api.progress.Progress records
 log = logging.getLogger("vramgraph")
 SIZE_NODES = ("EmptyFlux2LatentImage", "VGEmptyLatent", "Flux2Scheduler")
 
@@ -105,19 +109,65 @@ def apply_sets(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -
     return prompt
 
 
+@dataclass(frozen=True)
+class Typed:
+    """A `set` value as typed on a command line: it becomes the input's type when the input is known (text for a
+    STRING input or a list of names, so `Prompt.text=1984` stays "1984"), else JSON when it parses (7, 1.5, true),
+    else the text."""
+
+    text: str
+
+    def value(self, declared: Any) -> Any:
+        kind = declared[0] if isinstance(declared, tuple | list) and declared else None
+        if kind == "STRING" or (isinstance(kind, list) and self.text in kind):
+            return self.text
+        try:
+            return json.loads(self.text)
+        except ValueError:
+            return self.text
+
+
+def _declared_inputs(class_type: str) -> dict[str, Any] | None:
+    """A node class's declared inputs by name (None: a class we do not know, or whose inputs cannot be listed)."""
+    from ..nodes import ENGINE_NODES
+
+    cls = ENGINE_NODES.get(class_type)
+    try:
+        spec = cls.INPUT_TYPES() if cls is not None else None
+    except Exception:  # a class whose INPUT_TYPES needs its runtime: nothing to check against
+        return None
+    return None if spec is None else {**spec.get("required", {}), **spec.get("optional", {})}
+
+
+def _closest(word: str, names: Sequence[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
 def set_inputs(prompt: dict, sets: Mapping[str, Any], *, prefix: str = "set ") -> list[tuple[str, str, Any]]:
-    """`apply_sets`, returning what was set as (node id, input, value)."""
+    """`apply_sets`, returning what was set as (node id, input, value). A node that is not there, or an input its
+    class does not declare, is refused naming the closest one (a typo would otherwise set nothing)."""
     done = []
     for target, value in sets.items():
         node, dot, name = str(target).rpartition(".")
-        what = f"{prefix}{target}={value}"
+        shown = value.text if isinstance(value, Typed) else value
+        what = f"{prefix}{target}={shown}"
         if not dot or not node or not name:
             raise ValueError(f"{what}: write NODE.INPUT=VALUE, e.g. 6.seed=7 or Sampler.seed=7")
         ids = [node] if node in prompt else [i for i, n in prompt.items()
                                             if n.get("_meta", {}).get("title") == node]
         if len(ids) != 1:
-            raise ValueError(f"{what}: no node with id or title '{node}'" if not ids else
-                             f"{what}: several nodes are titled '{node}' ({', '.join(ids)}); use the id")
+            titles = [str(n.get("_meta", {}).get("title")) for n in prompt.values() if n.get("_meta", {}).get("title")]
+            raise ValueError(f"{what}: no node with id or title '{node}'{_closest(node, [*titles, *prompt])}" if not ids
+                             else f"{what}: several nodes are titled '{node}' ({', '.join(ids)}); use the id")
+        declared = _declared_inputs(str(prompt[ids[0]].get("class_type")))
+        if declared is not None and name not in declared and name not in prompt[ids[0]].get("inputs", {}):
+            raise ValueError(f"{what}: node {node} ({prompt[ids[0]]['class_type']}) has no input '{name}'"
+                             f"{_closest(name, list(declared))}")
+        if isinstance(value, Typed):
+            value = value.value((declared or {}).get(name))
         prompt[ids[0]].setdefault("inputs", {})[name] = value
         done.append((ids[0], name, value))
     return done
@@ -230,8 +280,14 @@ class Pipeline:
                                  "one in the checkpoints list of the models folders)")
             else:
                 self.checkpoint = str(checkpoint)
+        from ..nodes.catalog import FOLDERS
+        from ..nodes.modelpaths import file_or_name
+
+        self.files = {}
+        for kind, value in (("transformer", transformer), ("text_encoder", text_encoder), ("vae", vae)):
+            self.files[kind], extra = file_or_name(FOLDERS[kind], value)
+            s = s.replace(extra_folders=(*s.extra_folders, extra)) if extra is not None else s
         self.settings = s
-        self.files = {"transformer": transformer, "text_encoder": text_encoder, "vae": vae}
         self.folders = folders_from(s)
         if s.device is not None:  # a wrong device or size is refused now, not at the first image
             parse_device(s.device)
@@ -274,10 +330,11 @@ class Pipeline:
     def generate(self, prompt: str | Sequence[str], *, seed: int | None = None, width: int = 1024,
                  height: int = 1024, steps: int | None = None, guidance: float | None = None,
                  negative: str | None = None, images: Sequence[Any] = (), events: Events | None = None,
-                 spell: Mapping[str, str] | None = None) -> Generated | list[Generated]:
+                 progress: Progress = None, spell: Mapping[str, str] | None = None) -> Generated | list[Generated]:
         """Text to image (edit with `images`: PIL images or paths), with the shipped workflows. Several prompts
         are planned as one queue; seeds count up from `seed` (random when None). Returns one Generated per
-        prompt (a list for a list)."""
+        prompt (a list for a list). `progress`: True draws a progress bar per node; a callable gets each step as a
+        api.progress.Progress (node, class_type, title, value, total)."""
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
             raise ValueError("give a prompt: a non-empty string, or a list of them")
@@ -289,7 +346,7 @@ class Pipeline:
         names = {"checkpoint": self.checkpoint} if self.checkpoint else dict(self.files)
         prompts = [build_prompt(t, width=width, height=height, seed=base + i, steps=steps, guidance=guidance,
                                 negative=negative, references=refs, **names) for i, t in enumerate(texts)]
-        outs = self._run_prompts(prompts, [None] * len(prompts), events)
+        outs = self._run_prompts(prompts, [None] * len(prompts), events, progress)
         made = [Generated(t, base + i, [im for ims in o.images.values() for im in ims], o.paths, p)
                 for i, (t, p, o) in enumerate(zip(texts, prompts, outs, strict=True))]
         return made[0] if isinstance(prompt, str) else made
@@ -311,18 +368,23 @@ class Pipeline:
 
     # -- workflows
     def run(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
-            set: Mapping[str, Any] | None = None, events: Events | None = None) -> Outputs | list[Outputs]:
+            set: Mapping[str, Any] | None = None, events: Events | None = None, progress: Progress = None
+            ) -> Outputs | list[Outputs]:
         """Run a workflow (a file, a shipped workflow's name, or a dict in API or UI format) with `set` applied;
-        several (a list) are planned as one queue. Returns the Outputs (a list for a list)."""
+        several (a list) are planned as one queue. Returns the Outputs (a list for a list). `progress` as for
+        `generate`."""
         several = isinstance(workflow, list | tuple)
         wfs = [load(w, set) for w in (workflow if several else [workflow])]
         outs = self._run_prompts([wf.prompt for wf in wfs],
-                                 [{"workflow": wf.ui} if wf.ui is not None else None for wf in wfs], events)
+                                 [{"workflow": wf.ui} if wf.ui is not None else None for wf in wfs], events,
+                                 progress)
         return outs if several else outs[0]
 
-    def _run_prompts(self, prompts: list[dict], extras: list[dict | None], events: Events | None) -> list[Outputs]:
+    def _run_prompts(self, prompts: list[dict], extras: list[dict | None], events: Events | None,
+                     progress: Progress = None) -> list[Outputs]:
+        from .progress import with_progress
+
         engine = self.engine
-        quiet: Events = events or (lambda kind, data: None)
 
         def prepare() -> tuple[Any, list[dict[str, str]]]:
             if len(prompts) == 1:
@@ -336,7 +398,8 @@ class Pipeline:
             # since), so forget the cached outputs (the models stay loaded) and make them again
             engine.free(unload_models=False, free_memory=True)
             prep, members = prepare()
-        result = engine.run(prep, extra_pnginfo=extras[0] if len(prompts) == 1 else None, events=quiet)
+        result = engine.run(prep, extra_pnginfo=extras[0] if len(prompts) == 1 else None,
+                            events=with_progress(events, progress, prep.prompt))
         outs = []
         for rename in members:
             out = Outputs(result=result)
@@ -385,12 +448,22 @@ class Pipeline:
                 resize(wf.prompt, *parse_size(size))
             queue += [queued_copy(wf.prompt, i) for i in range(prompts)]
         planning = self._planner(vram)
-        if len(queue) == 1:
-            return planning.prepare(queue[0]), planning.budget
-        from ..graph.workflow.queue import merge
+        with tempfile.TemporaryDirectory() as tmp:  # input images that are not here: planned at the size inferred
+            from ..nodes.catalog import ModelCatalog
+            from ..nodes.standins import stand_ins
 
-        outputs = frozenset(k for k, c in planning.nodes.items() if getattr(c, "OUTPUT_NODE", False))
-        return planning.prepare(merge(queue, outputs).prompt), planning.budget
+            folders, notes = stand_ins(queue, planning.nodes, planning.folders, Path(tmp))
+            for note in notes:
+                log.warning("%s", note)
+            if notes:
+                planning = replace(planning, folders=folders,
+                                   catalog=ModelCatalog(folders, planning.catalog.dtype, allow_builtin=True))
+            if len(queue) == 1:
+                return planning.prepare(queue[0]), planning.budget
+            from ..graph.workflow.queue import merge
+
+            outputs = frozenset(k for k, c in planning.nodes.items() if getattr(c, "OUTPUT_NODE", False))
+            return planning.prepare(merge(queue, outputs).prompt), planning.budget
 
     def placed(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
                size: str | tuple[int, int] | None = None, set: Mapping[str, Any] | None = None, prompts: int = 1
@@ -421,6 +494,15 @@ class Pipeline:
         placed = placement.place(prep.dag, node_costs, models, [placement.Device(n, b) for n, b in budgets.items()],
                                  outputs=prep.outputs, context=self._planner(sizes[0]).context)
         return prep, placed, {n: b.card for n, b in budgets.items()}
+
+    def assumed(self, vram: str | int | None = None) -> str:
+        """What `plan` assumes, in one line (graph.engine.budget.assumed): card or memory, reserve, costs."""
+        from ..graph.engine.budget import assumed
+
+        s, planning = self.settings, self._planner(vram)
+        vram = vram if vram is not None else s.vram if s.vram is not None else _config_value(s, "vram")
+        device = s.device if s.device is not None or vram is not None else parse_device(None)
+        return assumed(planning.budget, planning.cost.name, device)
 
     def _planner(self, vram: str | int | None) -> Any:
         """A torch-free planning context (graph.engine.planning.Planning). Torch is imported only to measure a device:
@@ -474,4 +556,4 @@ def _open(path: Path) -> Any:
     return copy
 
 
-__all__ = ["Generated", "Outputs", "Pipeline", "apply_sets", "check_generate", "load", "resize"]
+__all__ = ["Generated", "Outputs", "Pipeline", "Typed", "apply_sets", "check_generate", "load", "resize"]

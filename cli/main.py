@@ -5,6 +5,7 @@
     vramgraph plan WORKFLOW.json [WORKFLOW2.json ...] [--prompts N] [--vram 12GiB] [--size 1536x1536] [--json]
     vramgraph generate -p PROMPT [-W 1024 -H 1024 -S SEED --steps N --guidance G -i REF ...] [-o FILE]
     vramgraph inspect MODEL...      vramgraph demo      vramgraph session
+    vramgraph fetch WORKFLOW|PNG ... [--model NAME] [--models DIR] [--dry-run]
     vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB] [--broker amqp://...]
     vramgraph worker --broker amqp://... --models DIR [--vram 80GiB]
 
@@ -39,7 +40,11 @@ GENERATE_OPTIONS = {"width": "--width", "height": "--height", "steps": "--steps"
 
 
 def _engine_args(p: argparse.ArgumentParser, outputs: bool = True, json_flag: bool = True) -> None:
-    p.add_argument("--models", action="append", default=None, help="models folder (repeatable)")
+    p.add_argument("--models", action="append", default=None,
+                   help="a ComfyUI models folder, or ComfyUI's own folder (repeatable)")
+    p.add_argument("--extra-model-paths-config", dest="extra_model_paths", action="extend", nargs="+", default=[],
+                   metavar="YAML", help="ComfyUI's extra_model_paths.yaml (repeatable; the one in a ComfyUI root "
+                                        "given to --models is read anyway)")
     p.add_argument("--demo", action="store_true",
                    help=f"tiny random-weight models and input images (written to ./{DEMO_FOLDER}) instead of --models")
     p.add_argument("--config", default=None, help="JSON config with models/input/output/vram/reserve")
@@ -96,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="one-shot text to image or edit with the shipped workflows")
     g.add_argument("-p", "--prompt", action="append", default=[],
                    help="the prompt; repeat it to queue several (planned together: one load per model)")
-    g.add_argument("--prompts", default=None, metavar="FILE", help="a file of prompts, one per line, queued")
+    g.add_argument("--prompts", default=None, metavar="FILE",
+                   help="a file of prompts, one per line, queued ('#' starts a comment line)")
     g.add_argument("--preview", default=None, metavar="DIR", help="write a preview PNG of every sampling step")
     g.add_argument("-n", "--negative", default=None, help="negative prompt (turns on guidance 4 if not given)")
     g.add_argument("-W", "--width", type=int, default=1024, help="a multiple of 16 (default 1024)")
@@ -109,9 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--force", action="store_true", help="overwrite existing PNGs")
     g.add_argument("--checkpoint", default=None,
                    help="a whole-model folder (HF, or the three files): a path, or a name in <models>/checkpoints")
-    g.add_argument("--transformer", default="flux-2-klein-4b.safetensors")
-    g.add_argument("--text-encoder", default="qwen_3_4b.safetensors")
-    g.add_argument("--vae", default="flux2-vae.safetensors")
+    g.add_argument("--transformer", default="flux-2-klein-4b.safetensors", metavar="FILE",
+                   help="the transformer: a path, or a name in <models>/diffusion_models (default %(default)s)")
+    g.add_argument("--text-encoder", default="qwen_3_4b.safetensors", metavar="FILE",
+                   help="the text encoder: a path, or a name in <models>/text_encoders (default %(default)s)")
+    g.add_argument("--vae", default="flux2-vae.safetensors", metavar="FILE",
+                   help="the VAE: a path, or a name in <models>/vae (default %(default)s)")
     _engine_args(g, outputs=False)
     i = sub.add_parser("inspect", help="recognise checkpoints and print their spec (reads headers only)")
     i.add_argument("models", nargs="+")
@@ -149,6 +158,9 @@ def _parser() -> argparse.ArgumentParser:
     ss.add_argument("--checkpoint", default=None)
     ss.add_argument("-o", "--out-dir", default="output", help="where images are saved (!save DIR changes it)")
     _engine_args(ss, outputs=False)
+    from .fetch import add_parser as fetch_parser
+
+    fetch_parser(sub)
     d = sub.add_parser("demo", help="tiny random-weight models + the shipped workflows, end to end (any machine)")
     d.add_argument("--out", default=str(DEMO_FOLDER), help="folder for the tiny models, inputs and PNGs")
     d.add_argument("--json", action="store_true", help="errors as JSON")
@@ -157,21 +169,17 @@ def _parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ settings
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def parse_sets(items: list[str]) -> dict[str, Any]:
-    """--set NODE.INPUT=VALUE ...: VALUE is JSON (numbers, true) or else a string."""
+    """--set NODE.INPUT=VALUE ...: VALUE becomes the input's type (api.pipeline.Typed: text for a text input, else JSON
+    such as numbers and true, else text)."""
+    from ..api.pipeline import Typed
+
     sets: dict[str, Any] = {}
     for item in items:
         target, sep, value = item.partition("=")
         if not sep or "." not in target:
             raise ValueError(f"--set {item}: write NODE.INPUT=VALUE, e.g. --set 6.seed=7")
-        sets[target] = _value(value)
+        sets[target] = Typed(value)
     return sets
 
 
@@ -186,6 +194,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         args.models, args.input = models, inputs  # the server reads them from args
         log.info("demo: tiny random-weight models in %s, so the pictures are noise", demo_models)
     return Settings(models=models, config=getattr(args, "config", None), input=inputs,
+                    extra_model_paths=tuple(getattr(args, "extra_model_paths", None) or ()),
                     output=getattr(args, "output", None), vram=getattr(args, "vram", None),
                     reserve=getattr(args, "reserve", None), device=getattr(args, "device", None),
                     devices=getattr(args, "devices", None), dtype=getattr(args, "dtype", None),
@@ -201,24 +210,14 @@ def _pipeline(args: argparse.Namespace, **kw: Any) -> Any:
 # ------------------------------------------------------------------------------------------ commands
 
 class _Bars:
-    """tqdm progress for the node that is running; step previews written to a folder."""
+    """The engine's events a command shows besides the progress bars (api.progress): model moves, step
+    previews written to a folder."""
 
     def __init__(self, preview_dir: str | None = None) -> None:
-        self.bar: Any = None
         self.preview_dir = Path(preview_dir) if preview_dir else None
 
     def __call__(self, kind: str, data: dict) -> None:
-        from tqdm import tqdm
-
-        if kind == "progress":
-            if self.bar is None:
-                self.bar = tqdm(total=data["max"], desc=f"node {data['node']}", leave=False)
-            self.bar.n = data["value"]
-            self.bar.refresh()
-        elif kind in ("executed", "execution_success") and self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        elif kind == "vg_step":
+        if kind == "vg_step":
             log.info("  %s %s", data["kind"], data["model"].split(":")[0])
         elif kind == "preview" and self.preview_dir is not None:
             self.preview_dir.mkdir(parents=True, exist_ok=True)
@@ -239,7 +238,7 @@ def _run(args: argparse.Namespace) -> int:
 
     for w in args.workflow:  # a bad --set is the user's, before anything loads
         load(w, sets, prefix="--set ")
-    outs = pipe.run([w for w in args.workflow], set=sets, events=_Bars(args.preview))
+    outs = pipe.run([w for w in args.workflow], set=sets, events=_Bars(args.preview), progress=True)
     _log_run(outs[0].result)
     for out in outs:
         for p in out.paths:
@@ -251,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from ..api.pipeline import load
-    from ..graph.workflow.errors import WorkflowError
+    from ..graph.workflow.errors import WorkflowError, validation_lines
     from ..graph.workflow.validate import validate
     from ..nodes import ENGINE_NODES
 
@@ -273,10 +272,10 @@ def _validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(check.response(), indent=1))
         return 1
-    for line in _validation_lines(check.response()):
+    for line in validation_lines(check.response()):
         print(f"vramgraph validate: {line}", file=sys.stderr)
     hint = no_models_hint(folders)
-    if hint:
+    if hint and _about_files(check.response()):
         print(f"vramgraph validate: {hint}", file=sys.stderr)
     return 1
 
@@ -305,6 +304,7 @@ def _plan(args: argparse.Namespace) -> int:
         return _plan_devices(pipe, args)
     several = args.workflow if len(args.workflow) > 1 else args.workflow[0]
     prep, budget = pipe.planned(several, size=args.size, set=parse_sets(args.set), prompts=args.prompts)
+    log.info("%s", pipe.assumed())
     print(json.dumps({**prep.plan.to_json(), "budget_text": budget_text(budget)}, indent=1) if args.json else
           f"{prep.plan.table()}\n{budget_text(budget)}")
     if args.svg:
@@ -347,8 +347,9 @@ def _stack_svgs(parts: list[str]) -> str:
 
 def _prompts(args: argparse.Namespace) -> list[str]:
     texts = list(args.prompt)
-    if args.prompts:
-        texts += [t.strip() for t in Path(args.prompts).read_text().splitlines() if t.strip()]
+    if args.prompts:  # one prompt a line; blank lines and lines starting with # are left out
+        texts += [t.strip() for t in Path(args.prompts).read_text().splitlines()
+                  if t.strip() and not t.lstrip().startswith("#")]
     if not texts:
         raise ValueError("give a prompt with -p TEXT (repeatable) or --prompts FILE")
     return texts
@@ -379,7 +380,7 @@ def _generate(args: argparse.Namespace) -> int:
         pipe.previews = bool(args.preview)
         made = pipe.generate(texts, seed=args.seed, width=args.width, height=args.height, steps=args.steps,
                              guidance=args.guidance, negative=args.negative, images=args.image,
-                             events=_Bars(args.preview), spell=GENERATE_OPTIONS)
+                             events=_Bars(args.preview), progress=True, spell=GENERATE_OPTIONS)
         for g, target in zip(made, targets, strict=True):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(g.paths[0]), target)
@@ -437,58 +438,48 @@ def _outside(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run
 
 
+def _fetch(args: argparse.Namespace) -> int:
+    from .fetch import run_fetch
+
+    return run_fetch(args, folders_from(_settings(args)))
+
+
 COMMANDS = {"run": _run, "validate": _validate, "plan": _plan, "generate": _generate, "inspect": _inspect,
-            "demo": _demo, "session": _session}
+            "demo": _demo, "session": _session, "fetch": _fetch}
 
 
 # ------------------------------------------------------------------------------------------ errors
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _validation_lines(response: dict) -> list[str]:
-    """ComfyUI's /prompt error answer as one line per node error (or the top error when no node has one)."""
-    lines = []
-    for node, entry in response.get("node_errors", {}).items():
-        for err in entry.get("errors", []):
-            lines.append(f"node {node} ({entry.get('class_type', '?')}): {_one_line(err.get('details') or '')}"
-                         f" [{err.get('type')}]" if err.get("details") else
-                         f"node {node} ({entry.get('class_type', '?')}): {_one_line(err.get('message', ''))}")
-    if not lines:
-        e = response.get("error", {})
-        lines.append(_one_line(f"{e.get('message', 'invalid prompt')}: {e.get('details')}" if e.get("details")
-                               else e.get("message", "invalid prompt")))
-    return lines
-
-
 def _say_error(args: argparse.Namespace, e: BaseException, body: dict | None) -> None:
-    """One line on stderr, or ComfyUI's JSON with --json."""
-    from ..graph.workflow.errors import NodeExecutionError, ValidationFailed
+    """One line on stderr (graph.workflow.errors.one_line), or ComfyUI's JSON with --json."""
+    from ..graph.workflow.errors import ValidationFailed, one_line, summary
 
     if getattr(args, "json", False) and body is not None:
         print(json.dumps(body, indent=1, default=str), file=sys.stderr)
         return
+    line = one_line(e)
     if isinstance(e, ValidationFailed):
-        lines = _validation_lines(e.response)
-        line = lines[0] + (f" (and {len(lines) - 1} more: vramgraph validate lists them)" if len(lines) > 1 else "")
+        line = summary(e.response, ": vramgraph validate lists them")
         try:
             hint = no_models_hint(folders_from(_settings_quiet(args)))
         except ValueError:
             hint = None
-        line += f"; {hint}" if hint else ""
-    elif isinstance(e, NodeExecutionError):
-        line = f"node {e.node_id} ({e.class_type}) failed: {e.exception_message}"
-    elif hasattr(e, "to_dict") and isinstance(e.to_dict(), dict) and "message" in e.to_dict():
-        d = e.to_dict()
-        line = f"{d['message']}: {d['details']}" if d.get("details") else d["message"]
-    else:
-        line = str(e)
-    print(f"vramgraph {args.command}: {_one_line(line)}", file=sys.stderr)
+        line += f"; {hint}" if hint and _about_files(e.response) else ""
+    print(f"vramgraph {args.command}: {line}", file=sys.stderr)
+
+
+def _about_files(response: dict) -> bool:
+    """Whether a refusal is about a model file (where a missing models folder is the reason worth adding)."""
+    from ..nodes.files import MODEL_EXTENSIONS
+
+    return any(err.get("type") == "value_not_in_list" and
+               str((err.get("extra_info") or {}).get("received_value", "")).lower().endswith(MODEL_EXTENSIONS)
+               for entry in response.get("node_errors", {}).values() for err in entry.get("errors", []))
 
 
 def _settings_quiet(args: argparse.Namespace) -> Settings:
-    return Settings(models=getattr(args, "models", None), config=getattr(args, "config", None))
+    return Settings(models=getattr(args, "models", None), config=getattr(args, "config", None),
+                    extra_model_paths=tuple(getattr(args, "extra_model_paths", None) or ()))
 
 
 def main(argv: list[str] | None = None, commands: Mapping[str, Callable[[argparse.Namespace], int]] | None = None

@@ -149,6 +149,7 @@ def repl(session: Session, read: Callable[[str], str] = input, say: Callable[[st
         try:
             session.handle(line, say)
         except Exception as e:  # the session goes on after a bad line or a failed image
-            msg = e.to_dict()["message"] if hasattr(e, "to_dict") else str(e)
-            say(f"error: {msg}")
+            from ..graph.workflow.errors import one_line
+
+            say(f"error: {one_line(e)}")
     return 0

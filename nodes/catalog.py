@@ -17,7 +17,8 @@ from typing import Any
 
 from ..models import flux2_config, loading, qwen3_config, vae_config
 from ..models.dtypes import itemsize
-from ..models.gguf import GGUFError, builtin_bytes, type_from_name
+from ..models.gguf import GGUFError, type_from_name
+from ..models.gguf import builtin_bytes as gguf_bytes
 from ..models.headers import CheckpointError
 from ..models.quant import QuantError
 from .files import Folders, identity
@@ -45,13 +46,26 @@ def builtin_params(kind: str, config: Any) -> int:
     return sum(math.prod(s) for s in family.parameter_shapes(config).values())
 
 
-def builtin_nbytes(kind: str, config: Any, name: str, dtype: str) -> int:
-    """What a built-in spec puts on the GPU in `dtype`; a GGUF name's quantization counted (models/gguf.py)."""
+def _fp8_layer(kind: str, key: str, shape: tuple[int, ...]) -> bool:
+    """A layer an fp8 file of `kind` stores in fp8: the block linears of a transformer (what the 4B fp8 file's size
+    shows, /work/shared/reference/checkpoint-formats.md 1e), the layer linears of a text encoder (assumed alike)."""
+    inside = "_blocks." in key if kind == "transformer" else key.startswith("layers.")
+    return inside and key.endswith(".weight") and len(shape) == 2
+
+
+def builtin_bytes(kind: str, name: str, config: Any, dtype: str) -> int:
+    """What loading the built-in spec `config` puts on the GPU at `dtype`; a file named fp8 keeps its fp8 layers at
+    one byte a parameter, as loading the real file does (models/quant.py); a GGUF name's quantization is counted
+    (models/gguf.py)."""
     stored = type_from_name(name) if kind != "vae" else None
-    if stored is None:
+    if stored is not None:
+        return gguf_bytes({"transformer": flux2_config, "text_encoder": qwen3_config}[kind].parameter_shapes(config),
+                          stored, itemsize(dtype))
+    if "fp8" not in name.lower() or kind == "vae":
         return builtin_params(kind, config) * itemsize(dtype)
-    family = flux2_config if kind == "transformer" else qwen3_config
-    return builtin_bytes(family.parameter_shapes(config), stored, itemsize(dtype))
+    family = {"transformer": flux2_config, "text_encoder": qwen3_config}[kind]
+    return sum(math.prod(shape) * (1 if _fp8_layer(kind, key, shape) else itemsize(dtype))
+               for key, shape in family.parameter_shapes(config).items())
 
 
 _REFUSALS: dict[tuple[str, str], str | None] = {}  # (path, identity) -> header_refusal's answer
@@ -142,7 +156,7 @@ class ModelCatalog:
             key = ("builtin", kind, name)
             with self._lock:
                 if key not in self._cache:
-                    self._cache[key] = builtin_nbytes(kind, config, name, self.dtype)
+                    self._cache[key] = builtin_bytes(kind, name, config, self.dtype)
                 # one info per name, as a file's (info_at): the estimates are worked out once per info
                 # (nodes/estimates.py `_per_model`), not again for every prompt planned
                 info = ("builtin info", kind, name, self.dtype)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..models.paths import walk_files
+from .modelpaths import ExtraPath, missing_file
 
 MODEL_FOLDERS = {  # ComfyUI's folder name -> the names it also answers to
     "diffusion_models": ("diffusion_models", "unet"),
@@ -110,13 +111,29 @@ class Folders:
     output: Path = field(default_factory=lambda: Path("output"))
     temp: Path = field(default_factory=lambda: Path("temp"))
     checkpoints: tuple[Path, ...] = ()  # extra roots whose subfolders are checkpoints (--checkpoint PATH's parent)
+    extra: tuple[ExtraPath, ...] = ()  # extra_model_paths.yaml's folders (nodes/modelpaths.py)
 
     def model_dirs(self, folder: str) -> list[Path]:
+        """The existing folders searched for `folder`, in ComfyUI's order: extra folders of an `is_default` group
+        first, then those under the models folders, then the other extra folders."""
+        names = CHECKPOINT_FOLDERS if folder == "checkpoints" else MODEL_FOLDERS.get(folder, (folder,))
+        kinds = set(names) | {folder}
+        first = [e.path for e in self.extra if e.is_default and e.folder in kinds]
+        last = [e.path for e in self.extra if not e.is_default and e.folder in kinds]
+        dirs = first + [root / n for root in self.models for n in names] + last
         if folder == "checkpoints":
-            dirs = [root / n for root in self.models for n in CHECKPOINT_FOLDERS if (root / n).is_dir()]
-            return dirs + [p for p in self.checkpoints if p.is_dir()]
-        names = MODEL_FOLDERS.get(folder, (folder,))
-        return [root / n for root in self.models for n in names if (root / n).is_dir()]
+            dirs += list(self.checkpoints)
+        return list(dict.fromkeys(d for d in dirs if d.is_dir()))
+
+    def download_dir(self, folder: str) -> Path:
+        """Where a downloaded file of `folder` goes: the first folder searched, else `folder` under the first models
+        folder (created by the download); a ValueError when there is no models folder at all."""
+        dirs = self.model_dirs(folder)
+        if dirs:
+            return dirs[0]
+        if not self.models:
+            raise ValueError("no models folder to download into: give --models DIR (a ComfyUI models folder)")
+        return self.models[0] / folder
 
     def list(self, folder: str) -> list[str]:
         """File names (relative, with subfolders, '/'-separated) in a model folder or 'input'."""
@@ -142,8 +159,10 @@ class Folders:
             p = d / name
             if p.is_file():
                 return p.resolve()
-        where = ", ".join(str(d) for d in dirs) or f"no '{folder}' folder under {list(map(str, self.models))}"
-        raise FileNotFoundError(f"'{name}' is not in {folder} ({where}); put the file there or set --models")
+        if folder == "input":
+            raise FileNotFoundError(f"'{name}' is not in the input folder {self.input}; put the image there or "
+                                    "give --input DIR")
+        raise FileNotFoundError(missing_file(self, folder, name))
 
 
 def comfy_list(folder: str) -> list[str]:

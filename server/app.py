@@ -281,6 +281,11 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--work runs a fleet worker beside the frontend: give --broker amqp://... too")
     front_end, user_dir = _front_end_and_user_dir(args)  # a missing front end is refused before models load
     engine = engine_from(args)
+    from ..nodes.modelpaths import models_warning
+
+    warning = models_warning(engine.folders)
+    if warning:  # said at the start, not first at the first prompt
+        log.warning("%s", warning)
     for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
         folder.mkdir(parents=True, exist_ok=True)
     engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready

@@ -111,6 +111,7 @@ class PromptQueue:
         with self._cond:
             self._store(prompt_id, entry, size)
             self.running.pop(prompt_id, None)
+        log.info("%s", done_line(prompt_id, entry))
 
     def _store(self, prompt_id: str, entry: dict, size: int) -> None:
         """Keep `entry`; the oldest entries go while there are over max_history or over max_history_bytes."""
@@ -629,6 +630,25 @@ def _clients(members: list[_Member]) -> dict[str | None, _Member]:
     for m in members:
         firsts.setdefault(m.sid, m)
     return {None: firsts[None]} if None in firsts else firsts
+
+
+def done_line(prompt_id: str, entry: dict) -> str:
+    """The log line of a finished prompt, as ComfyUI's "Prompt executed in N seconds" with more said: its id, its
+    seconds (first to last message), its outputs (node: how many images), or why it failed or stopped."""
+    messages = [m for m in entry.get("status", {}).get("messages", []) if isinstance(m, list | tuple) and len(m) == 2]
+    stamps = [m[1].get("timestamp") for m in messages if isinstance(m[1], dict) and m[1].get("timestamp")]
+    seconds = (max(stamps) - min(stamps)) / 1000 if stamps else 0.0
+    kinds = {m[0]: m[1] for m in messages}
+    if "execution_error" in kinds:
+        e = kinds["execution_error"]
+        node = f"node {e.get('node_id')} ({e.get('node_type')}) " if e.get("node_id") else ""
+        why = " ".join(str(e.get("exception_message", "")).split())
+        return f"prompt {prompt_id} failed after {seconds:.2f} s: {node}{why}"
+    if "execution_interrupted" in kinds:
+        return f"prompt {prompt_id} interrupted after {seconds:.2f} s"
+    outs = ", ".join(f"{n}: {len(ui.get('images', []))} image(s)" if ui.get("images") else n
+                     for n, ui in (entry.get("outputs") or {}).items())
+    return f"prompt {prompt_id} executed in {seconds:.2f} s; outputs {outs or 'none'}"
 
 
 def _entry(item: Item, ui: dict, ok: bool, messages: list, report: dict) -> dict:

@@ -138,7 +138,9 @@ class Routes:
         check = await loop.run_in_executor(None, lambda: validate(prompt, self.engine.nodes, self.engine.folders,
                                                                   outputs))
         if not check.ok:
-            log.warning("invalid prompt: %s", check.error.get("message") if check.error else "")
+            from ..graph.workflow.errors import summary
+
+            log.warning("prompt %s refused: %s", pid, summary(check.response()))
             return web.json_response(check.response(), status=400)
         return req, number, pid, check
 

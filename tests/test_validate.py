@@ -252,7 +252,8 @@ def test_long_file_lists_are_truncated(tmp_path: Path) -> None:
     (e,) = validate(p, nodes, Folders(models=(tmp_path,))).node_errors["1"]["errors"]
     assert e["type"] == "value_not_in_list"
     assert "(list of length 30)" in e["details"] and "model_19" in e["details"] and "model_20" not in e["details"]
-    assert "put the file in the folder" in e["details"]
+    assert f"searched {tmp_path / 'diffusion_models'}" in e["details"]
+    assert "put the file in a diffusion_models/ folder" in e["details"]
     assert e["extra_info"]["input_config"] is None  # as ComfyUI: no giant lists in the response
 
 

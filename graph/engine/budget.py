@@ -332,3 +332,18 @@ def short_plan_error(e: PlanError, budget: Budget, mem: DeviceMemory) -> PlanErr
     details = f"{e.details}; free GPU memory in the other processes (or wait for them), then queue again"
     return PlanError(e.node, e.class_type, e.needed, e.budget, msg, details,
                      {**e.extra, "others_bytes": mem.others, "free_bytes": mem.free, "budget_given_bytes": budget.gpu})
+
+
+def assumed(budget: Budget, cost_name: str, device: Any) -> str:
+    """What a plan assumed, in one line: the card (or host RAM, on a machine without a GPU), the bytes left for
+    weights and activations, the reserve, the host RAM, and the cost profile its seconds come from."""
+    gib = GiB
+    tail = (f"; {budget.reserve / gib:.2f} GiB reserve, host RAM {budget.host / gib:.1f} GiB; "
+            f"seconds from the cost profile {cost_name}")
+    if budget.card is not None:
+        return (f"planned for a {budget.card / gib:.2f} GiB card (--vram): {budget.gpu / gib:.2f} GiB for weights "
+                f"and activations after its CUDA context{tail}")
+    if str(device).split(":")[0] != "cuda":
+        return (f"no GPU here and no --vram: planned against host RAM ({budget.gpu / gib:.2f} GiB); give --vram "
+                f"12GiB to plan for a card of that size{tail}")
+    return f"planned for {device}'s free memory: {budget.gpu / gib:.2f} GiB{tail}"

@@ -210,7 +210,8 @@ class Ledger:
 
     def _note(self, ev: Event, info: ModelInfo) -> None:
         self.events.append(ev)
-        what = {"pin": "read from its file into host RAM", "load": f"loaded onto the GPU from {ev.source}",
+        onto = "onto the GPU" if self.device.type == "cuda" else f"for the {self.device.type.upper()}"
+        what = {"pin": "read from its file into host RAM", "load": f"loaded {onto} from {ev.source}",
                 "unload": "dropped" if ev.source == "drop" else "unloaded (host copy kept)"}[ev.kind]
         rate = f" ({ev.nbytes / ev.seconds / 1e9:.1f} GB/s)" if ev.kind != "unload" and ev.seconds > 0 else ""
         log.info("%s %.2f GiB %s in %.2f s%s", info.label, ev.nbytes / 2**30, what, ev.seconds, rate)

@@ -2,12 +2,16 @@
 object with the same attributes, such as the command line's arguments), the environment and a config file.
 
 The config file is `config`, else $VRAMGRAPH_CONFIG, else ./vramgraph.json, else
-~/.config/vramgraph/config.json; its keys are models, input, output, temp, vram and reserve.
+~/.config/vramgraph/config.json; its keys are models, extra_model_paths, input, output, temp, vram and reserve
+(another key is refused, naming the closest one).
 
 The models folders are `models`, else $VRAMGRAPH_MODELS, else the config's "models", else ./models only if it
 looks like a ComfyUI models folder (a `diffusion_models/`, `unet/`, `text_encoders/`, `clip/`, `vae/`,
 `checkpoints/` or `diffusers/` inside), so that the source folder `models/` of this repository is never taken
-for one. With none, `Folders.models` is empty and `no_models_hint` says what to do.
+for one. A ComfyUI root or a folder one level too deep is taken for its models folder, and ComfyUI's
+`extra_model_paths.yaml` files are read: the ones given (`extra_model_paths`, the command line's
+`--extra-model-paths-config`) and the one in the ComfyUI root of a models folder (nodes/modelpaths.py).
+With none, `Folders.models` is empty and `no_models_hint` says what to do.
 
 `prepare_demo(folder)` writes tiny random-weight models under the shipped workflows' file names and the
 input images those workflows load, for a first run without any download.
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+CONFIG_KEYS = ("models", "extra_model_paths", "input", "output", "temp", "vram", "reserve")
 CONFIG_PLACES = (Path("vramgraph.json"), Path.home() / ".config" / "vramgraph" / "config.json")
 MODEL_SUBFOLDERS = ("diffusion_models", "unet", "text_encoders", "clip", "vae", "checkpoints", "diffusers")
 DEMO_FOLDER = Path("vramgraph-demo")
@@ -45,6 +50,8 @@ class Settings:
     host: str | int | None = None  # host RAM budget
     profile: str | None = None  # cost profile name (graph/engine/costs.py); None: probe the GPU
     checkpoints: Sequence[str | Path] = ()  # extra roots whose subfolders are checkpoints
+    extra_model_paths: Sequence[str | Path] = ()  # ComfyUI extra_model_paths.yaml files (nodes/modelpaths.py)
+    extra_folders: Sequence[Any] = ()  # more model folders (nodes.modelpaths.ExtraPath), e.g. of a file given by path
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -55,8 +62,9 @@ def settings_of(obj: Any) -> Settings:
     `host`, which is an address to `serve` (a host RAM budget is only ever given as Settings)."""
     if isinstance(obj, Settings):
         return obj
-    return Settings(**{f.name: getattr(obj, f.name, None) if f.name != "checkpoints" else
-                       tuple(getattr(obj, "checkpoints", None) or ()) for f in dataclasses.fields(Settings)
+    many = ("checkpoints", "extra_model_paths", "extra_folders")
+    return Settings(**{f.name: getattr(obj, f.name, None) if f.name not in many else
+                       tuple(getattr(obj, f.name, None) or ()) for f in dataclasses.fields(Settings)
                        if f.name != "host"})
 
 
@@ -67,12 +75,27 @@ def read_config(s: Settings) -> dict:
     for p in places:
         if p.is_file():
             try:
-                return json.loads(p.read_text())
+                config = json.loads(p.read_text())
             except ValueError as e:
                 raise ValueError(f"config {p}: not valid JSON ({e})") from e
+            return _checked_config(p, config)
         if s.config:
             raise ValueError(f"config {p}: no such file")
     return {}
+
+
+def _checked_config(path: Path, config: Any) -> dict:
+    """The config file's object, its keys known ones: a typo is refused with the closest key."""
+    import difflib
+
+    if not isinstance(config, dict):
+        raise ValueError(f"config {path}: write a JSON object of {', '.join(CONFIG_KEYS)}")
+    for key in config:
+        if key not in CONFIG_KEYS:
+            close = difflib.get_close_matches(str(key), CONFIG_KEYS, n=1)
+            raise ValueError(f"config {path}: unknown key '{key}'" + (f"; did you mean '{close[0]}'?" if close else
+                                                                      f"; the keys are {', '.join(CONFIG_KEYS)}"))
+    return config
 
 
 def looks_like_models_folder(p: Path) -> bool:
@@ -80,12 +103,16 @@ def looks_like_models_folder(p: Path) -> bool:
 
 
 def models_folders(settings: Any) -> tuple[Path, ...]:
+    """The models folders given (a ComfyUI root or a `models/<kind>` folder taken for its models folder), or
+    ./models when it looks like one."""
+    from ...nodes.modelpaths import models_root
+
     s = settings_of(settings)
     given = s.models or (os.environ.get("VRAMGRAPH_MODELS") or None) or read_config(s).get("models")
     if not given:
         return (Path("models"),) if looks_like_models_folder(Path("models")) else ()
     given = [given] if isinstance(given, str | Path) else list(given)
-    return tuple(Path(m).expanduser() for m in given)
+    return tuple(dict.fromkeys(models_root(m) for m in given))
 
 
 def no_models_hint(folders: Any) -> str | None:
@@ -102,10 +129,19 @@ def folders_from(settings: Any) -> Any:
 
     s = settings_of(settings)
     cfg = read_config(s)
+    from ...nodes.modelpaths import extra_paths
+
     output = Path(s.output or cfg.get("output", "output")).expanduser()
-    return Folders(models=models_folders(s), input=Path(s.input or cfg.get("input", "input")).expanduser(),
+    models = models_folders(s)
+    yamls = list(s.extra_model_paths) or list(_listed(cfg.get("extra_model_paths")))
+    return Folders(models=models, input=Path(s.input or cfg.get("input", "input")).expanduser(),
                    output=output, temp=Path(cfg.get("temp", output / "temp")).expanduser(),
-                   checkpoints=tuple(Path(c).expanduser() for c in s.checkpoints))
+                   checkpoints=tuple(Path(c).expanduser() for c in s.checkpoints),
+                   extra=tuple(s.extra_folders) + extra_paths(yamls, models))
+
+
+def _listed(value: Any) -> list:
+    return [] if value is None else [value] if isinstance(value, str | Path) else list(value)
 
 
 def parse_device(text: str | None) -> Any:

@@ -59,6 +59,48 @@ class ValidationFailed(VramgraphError):
     def node_errors(self) -> dict[str, Any]:
         return self.response["node_errors"]
 
+    def __str__(self) -> str:
+        return summary(self.response)
+
+
+def _flat(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def validation_lines(response: Mapping[str, Any]) -> list[str]:
+    """ComfyUI's /prompt error answer as one line per node error ("node 5 (VGEmptyLatent): width: ... [type]"),
+    or the top error's message and details when no node has one."""
+    lines = []
+    for node, entry in (response.get("node_errors") or {}).items():
+        for err in entry.get("errors", []):
+            where = f"node {node} ({entry.get('class_type', '?')}): "
+            lines.append(where + (f"{_flat(err['details'])} [{err.get('type')}]" if err.get("details") else
+                                  _flat(err.get("message", ""))))
+    if not lines:
+        e = response.get("error") or {}
+        lines.append(_flat(f"{e.get('message', 'invalid prompt')}: {e.get('details')}" if e.get("details")
+                           else e.get("message", "invalid prompt")))
+    return lines
+
+
+def summary(response: Mapping[str, Any], more: str = "") -> str:
+    """A refused prompt in one line: its first error (node, input, reason) and how many more there are."""
+    lines = validation_lines(response)
+    return lines[0] + (f" (and {len(lines) - 1} more{more})" if len(lines) > 1 else "")
+
+
+def one_line(e: BaseException) -> str:
+    """Any error of a run in one line, the same everywhere it is shown: a refused prompt by its first node error,
+    a failed node by its id, type and message, our other errors by message and details, anything else as text."""
+    if isinstance(e, ValidationFailed):
+        return str(e)
+    if isinstance(e, NodeExecutionError):
+        return _flat(f"node {e.node_id} ({e.class_type}) failed: {e.exception_message}")
+    d = e.to_dict() if hasattr(e, "to_dict") else None
+    if isinstance(d, dict) and "message" in d:
+        return _flat(f"{d['message']}: {d['details']}" if d.get("details") else d["message"])
+    return _flat(e)
+
 
 def _format_value(x: Any) -> Any:
     """ComfyUI's format_value: JSON primitives as they are, anything else (tensors, handles) as short text."""

@@ -19,7 +19,9 @@ Where ComfyUI has no check (it would raise and report an exception), we report:
   graph (graph/workflow/families.py), before any missing node type is reported.
 Literal conversion is ComfyUI's (`int(v)`, `float(v)`), with two deliberate differences: STRING accepts
 only strings (ComfyUI would `str()` anything) and BOOLEAN only true/false, 0/1 or "true"/"false"
-(ComfyUI's `bool("false")` is True), and FLOAT refuses NaN and infinities. Defaults are not applied here;
+(ComfyUI's `bool("false")` is True), FLOAT refuses NaN and infinities, and an INT that is not a multiple of
+its input's `step` (a size of 1000 where the step is 16) is refused with the two nearest multiples, where ComfyUI's
+node would silently floor it. Defaults are not applied here;
 `inputs_with_defaults` does that for the executor. An input the node does not declare is ignored, as
 ComfyUI ignores it, with a warning in the log; it is not in the validated prompt.
 """
@@ -27,6 +29,7 @@ ComfyUI ignores it, with a warning in the log; it is not in the validated prompt
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import inspect
 import logging
@@ -38,6 +41,7 @@ from typing import Any
 import networkx as nx
 
 from ...nodes.files import IMAGE_EXTENSIONS, MODEL_EXTENSIONS
+from ...nodes.modelpaths import not_listed
 from ...nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible, is_link, is_mapping
 from .errors import ValidationFailed
 from .families import unsupported_model
@@ -228,8 +232,11 @@ def _check_top(prompt: Any, nodes: Mapping[str, type]) -> dict | None:
             return _err("invalid_prompt", "Cannot execute because a node is missing the class_type property.",
                         f"Node ID '#{x}'", node_id=str(x))
         if class_type not in nodes:
+            lower = {n.lower(): n for n in nodes}  # a typo ("KSamplr", "unetloader"), not another node
+            close = [lower[c] for c in difflib.get_close_matches(class_type.lower(), list(lower), n=1, cutoff=0.85)]
             return _err("missing_node_type", f"Node '{class_type}' not found. The custom node may not be installed.",
-                        f"Node ID '#{x}'", node_id=str(x), class_type=class_type)
+                        f"Node ID '#{x}'" + (f"; did you mean '{close[0]}'?" if close else ""), node_id=str(x),
+                        class_type=class_type)
         if not is_mapping(node.get("inputs", {})):
             return _err("invalid_prompt", "Cannot execute because a node's inputs are not an object.",
                         f"Node ID '#{x}': 'inputs' is a {type(node['inputs']).__name__}; give "
@@ -303,6 +310,12 @@ def _check_literal(x: str, val: Any, input_type: Any, opts: dict, info: tuple) -
         return _err("invalid_input_type", f"Failed to convert an input value to a {input_type} value",
                     f"{x}, {val}, {ex}", input_name=x, input_config=info, received_value=val,
                     exception_message=str(ex)), None
+    step = opts.get("step")
+    if input_type == INT and type(step) is int and step > 1 and val % step:  # not floored behind the user's back
+        below = val // step * step
+        return _err("value_not_a_multiple", f"Value {val} is not a multiple of {step}",
+                    f"{x}: must be a multiple of {step}; use {below} or {below + step}", input_name=x,
+                    input_config=info, received_value=val), None
     combo = _choices(input_type, opts)
     if combo is not None and val not in combo:
         return _err("value_not_in_list", "Value not in list",
@@ -381,6 +394,10 @@ def _check_node(node_id: str, prompt: Mapping, nodes: Mapping[str, type],
             continue
         error, converted = _check_literal(x, val, input_type, opts, info)
         if error is not None:
+            more = not_listed(memo.folders, nodes[class_type], x, val) if error["type"] == "value_not_in_list" \
+                else None
+            if more:  # a model file: where it was looked for, the closest name, how to get it
+                error["details"] = f"{x}: '{val}' not in {_short_list(_choices(input_type, opts) or [])}; {more}"
             errors.append(error)
         else:
             inputs[x] = converted

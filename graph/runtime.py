@@ -105,7 +105,18 @@ def folders_from(settings: Any) -> Any:
     output = Path(s.output or cfg.get("output", "output")).expanduser()
     return Folders(models=models_folders(s), input=Path(s.input or cfg.get("input", "input")).expanduser(),
                    output=output, temp=Path(cfg.get("temp", output / "temp")).expanduser(),
-                   checkpoints=tuple(Path(c).expanduser() for c in s.checkpoints))
+                   checkpoints=tuple(Path(c).expanduser() for c in s.checkpoints),
+                   max_image_pixels=image_cap(cfg))
+
+
+def image_cap(cfg: dict) -> int:
+    """The config's "max_image_pixels" (nodes/images.py), checked; the default when it is not set."""
+    from ..nodes.images import MAX_IMAGE_PIXELS
+
+    cap = cfg.get("max_image_pixels", MAX_IMAGE_PIXELS)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"config: \"max_image_pixels\" {cap!r} must be a whole number of pixels, e.g. 33554432")
+    return cap
 
 
 def parse_device(text: str | None) -> Any:

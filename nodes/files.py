@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..models.paths import walk_files
+from .images import MAX_IMAGE_PIXELS
 
 MODEL_FOLDERS = {  # ComfyUI's folder name -> the names it also answers to
     "diffusion_models": ("diffusion_models", "unet"),
@@ -110,6 +111,7 @@ class Folders:
     output: Path = field(default_factory=lambda: Path("output"))
     temp: Path = field(default_factory=lambda: Path("temp"))
     checkpoints: tuple[Path, ...] = ()  # extra roots whose subfolders are checkpoints (--checkpoint PATH's parent)
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # images from outside larger than this are refused (nodes/images.py)
 
     def model_dirs(self, folder: str) -> list[Path]:
         if folder == "checkpoints":

@@ -101,7 +101,8 @@ async def _index(request: web.Request) -> web.StreamResponse:
 
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
              batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None,
-             cors: str | None = None, broker: str | None = None, frontend_id: str | None = None) -> web.Application:
+             cors: str | None = None, broker: str | None = None, frontend_id: str | None = None,
+             signer: Any = None) -> web.Application:
     """The aiohttp application over `engine` (a graph.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -113,7 +114,8 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     `user_dir` is where ComfyUI's front end finds settings and user files, read-only (see server/compat.py).
     `cors` is ComfyUI's --enable-cors-header: an origin (or "*") every answer allows, in place of the default
     origin checks (security.py). `broker` (an AMQP URL) makes the app a frontend (broker.py): prompts are planned
-    here for the engine's budget (the reference card) and published; workers run them.
+    here for the engine's budget (the reference card) and published; workers run them. `signer` (signing.py)
+    signs and checks its broker messages (default: from VRAMGRAPH_BROKER_SECRET).
     """
     from ..graph.executor import Engine
 
@@ -122,9 +124,10 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
                                 nodes=engine.nodes, cost=engine.cost, allow_builtin=True)
     queue, hub = PromptQueue(), Hub()
     if broker:
-        from .broker import Frontend, FrontendRoutes
+        from .frontend import Frontend, FrontendRoutes
+        from .signing import signer as read_signer
 
-        worker: Any = Frontend(broker, queue, hub, frontend_id)
+        worker: Any = Frontend(broker, queue, hub, frontend_id, signer=signer or read_signer(), folders=engine.folders)
         routes: Routes = FrontendRoutes(engine, queue, hub, worker, planner)
     else:
         worker = Worker(engine, queue, hub, previews, batch=batch)
@@ -225,11 +228,14 @@ def serve(args: argparse.Namespace) -> int:
     from ..graph.runtime import engine_from
 
     url = getattr(args, "broker", None)
-    if url:  # a frontend: the AMQP client and a usable URL, checked before anything is loaded
+    signer = None
+    if url:  # a frontend: the AMQP client, a usable URL and the shared secret, checked before anything is loaded
         from .broker import amqp, check_url, frontend_id
+        from .signing import signer as read_signer
 
         amqp()
         check_url(url)
+        signer = read_signer(getattr(args, "broker_secret_file", None))
     elif getattr(args, "work", False):
         raise ValueError("--work runs a fleet worker beside the frontend: give --broker amqp://... too")
     engine = engine_from(args)
@@ -239,12 +245,12 @@ def serve(args: argparse.Namespace) -> int:
     app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()),
                    cors=getattr(args, "enable_cors_header", None),
                    user_dir=Path(args.user_dir).expanduser() if getattr(args, "user_dir", None) else None,
-                   broker=url,
+                   broker=url, signer=signer,
                    frontend_id=(getattr(args, "frontend_id", None) or frontend_id(args.port)) if url else None)
     if url and getattr(args, "work", False):  # one process, both: a fleet worker on the same engine
         from .fleet_worker import FleetWorker, run_in_thread
 
-        run_in_thread(FleetWorker(engine, url, max_batch=getattr(args, "max_batch", 16),
+        run_in_thread(FleetWorker(engine, url, signer=signer, max_batch=getattr(args, "max_batch", 16),
                                   steal_after=getattr(args, "steal_after", 30.0), grace=getattr(args, "grace", 1.0)))
 
     async def main() -> None:
@@ -258,6 +264,12 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); "
                              "is another server running there? Choose another --port") from None
         port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
+        if url:  # a frontend that cannot read what workers write refuses to start (fleet_files.py)
+            try:
+                await app[ROUTES].worker.handshake(getattr(args, "handshake_wait", 10.0))
+            except ValueError:
+                await runner.cleanup()
+                raise
         log.info("vramgraph serve on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", args.host, port,
                  engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
         try:

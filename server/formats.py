@@ -61,6 +61,7 @@ def system_stats(engine: Any) -> dict:
     import torch
 
     from .. import __version__
+    from .signing import redact_argv
 
     ram_total, ram_free = _ram()
     dev = engine.device
@@ -76,7 +77,7 @@ def system_stats(engine: Any) -> dict:
                   "vram_free": ram_free, "torch_vram_total": ram_total, "torch_vram_free": ram_free}
     return {"system": {"os": os.name, "ram_total": ram_total, "ram_free": ram_free,
                        "comfyui_version": f"vramgraph {__version__}", "python_version": sys.version,
-                       "pytorch_version": torch.__version__, "embedded_python": False, "argv": sys.argv,
+                       "pytorch_version": torch.__version__, "embedded_python": False, "argv": redact_argv(sys.argv),
                        "platform": platform.platform()},
             "devices": [device],
             "vramgraph": {"budget": engine.budget.to_json(), "dtype": engine.dtype}}

@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SETS = {"A": "flux-2-klein-4b.safetensors", "B": "flux-2-klein-4b-alt.safetensors"}  # two model sets, by transformer
 TIMEOUT = 150
 # one thread per process: three engines share the test machine's cores
+SECRET = "fleet-test-secret-0123456789"  # signs the fleet's broker messages (server/signing.py)
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("VRAMGRAPH_CONFIG", "VRAMGRAPH_MODELS")},
-       "OMP_NUM_THREADS": "1"}
+       "OMP_NUM_THREADS": "1", "VRAMGRAPH_BROKER_SECRET": SECRET}
 
 
 def _rabbit_binary() -> str | None:

@@ -11,6 +11,7 @@ does not), about 400 MB as a float32 RGB image.
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,7 +43,9 @@ def open_image(source: str | Path | bytes, max_pixels: int, what: str = "the ima
     from PIL import Image
 
     try:
-        opened = Image.open(io.BytesIO(source) if isinstance(source, bytes | bytearray) else source)
+        with warnings.catch_warnings():  # PIL's warning for a big image: this function decides (the cap)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            opened = Image.open(io.BytesIO(source) if isinstance(source, bytes | bytearray) else source)
     except Image.DecompressionBombError:  # PIL's own check (over twice its limit) came first: far over ours
         raise ImageTooLarge(-1, -1, max_pixels, what) from None
     with opened as im:

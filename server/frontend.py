@@ -4,8 +4,10 @@
 Everything it publishes is signed and everything it takes in is checked (signing.py); prompt ids are checked
 (ids.py) and a prompt whose id names a folder in output/ that vramgraph did not make is refused. A prompt that was
 dead-lettered (its workers stopped `broker.TRIES` times while running it) ends as an error in /history and an
-`execution_error` to its client, naming the reason. /interrupt without an id stops only the prompt this frontend
-last saw running, as ComfyUI does.
+`execution_error` to its client, naming the reason. A prompt's ending event (execution_success, _error,
+_interrupted) is passed to its client only with the result it belongs to, so a prompt whose worker died after
+finishing it but before its result reached the broker is not told "success" twice. /interrupt without an id stops
+only the prompt this frontend last saw running, as ComfyUI does.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .signing import Signer, redact
 
 log = logging.getLogger("vramgraph.broker")
 ALIVE = 2.0  # seconds since its last heartbeat a worker counts as alive
+TERMINAL = frozenset({"execution_success", "execution_error", "execution_interrupted"})
 
 
 class Frontend:
@@ -56,6 +59,7 @@ class Frontend:
                                       "dropped": 0, "missing_images": 0}
         self.peers: dict[str, dict] = {}  # worker id -> its last heartbeat
         self.unshared: dict[str, str] = {}  # worker id -> why its output folder is not ours
+        self.held: dict[str, dict[Any, list]] = {}  # prompt id -> attempt -> its ending events, until its result
 
     def text(self, value: Any) -> str:
         """`value` as text with the broker's password hidden (for logs and answers)."""
@@ -291,6 +295,7 @@ class Frontend:
         if pid in self.attempts:  # it did finish once: that result stands
             return
         self.attempts[pid] = "dead"
+        self.held.pop(pid, None)
         self.stats["dead"] += 1
         why = (f"prompt {pid} was set aside after {d['tries']} tries: each time, the worker running it stopped "
                "before it finished (killed, e.g. out of memory, or lost); it is kept in the broker's "
@@ -317,6 +322,9 @@ class Frontend:
         kind, data, sid = d["kind"], d["data"], d.get("sid")
         pid = data.get("prompt_id") if isinstance(data, dict) else None
         if not self._current(pid, d.get("attempt")):
+            return
+        if kind in TERMINAL and pid and pid not in self.attempts:  # told once its result is kept (exactly once)
+            self.held.setdefault(pid, {}).setdefault(d.get("attempt"), []).append((kind, data, sid))
             return
         if kind == "execution_start" and pid:
             self._running(pid)
@@ -358,6 +366,8 @@ class Frontend:
                           extra.get("client_id") if isinstance(extra, dict) else None)
         self.queue.delete(pid)
         self.queue.done(pid, entry)
+        for kind, data, sid in self.held.pop(pid, {}).get(attempt, []):  # other attempts' endings are dropped
+            self.hub.send(kind, data, sid)
         if self.running_pid == pid:
             self.running_pid = None
         w = self.stats["workers"].setdefault(d["worker"], {"prompts": 0, "resident": 0, "loads": 0})

@@ -491,7 +491,7 @@ def run_in_thread(worker: FleetWorker) -> threading.Thread:
 
 def work(args: argparse.Namespace) -> int:
     """`vramgraph worker`: the engine from the command line's options, consuming until Ctrl-C."""
-    from ..graph.runtime import engine_from
+    from ..graph.engine.runtime import engine_from
     from .signing import signer
 
     broker.amqp()

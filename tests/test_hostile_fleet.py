@@ -208,7 +208,7 @@ def test_image_bombs_are_refused_before_decoding(tmp_path):
 
 
 def test_image_cap_comes_from_the_config(tmp_path):
-    from vramgraph.graph.runtime import Settings, folders_from
+    from vramgraph.graph.engine.runtime import Settings, folders_from
 
     (tmp_path / "c.json").write_text(json.dumps({"max_image_pixels": 1000}))
     assert folders_from(Settings(config=str(tmp_path / "c.json"))).max_image_pixels == 1000
@@ -222,7 +222,7 @@ def test_image_cap_comes_from_the_config(tmp_path):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes import ENGINE_NODES
     from vramgraph.nodes.files import Folders

@@ -256,6 +256,12 @@ def serve(args: argparse.Namespace) -> int:
     async def main() -> None:
         runner = web.AppRunner(app, handle_signals=True)
         await runner.setup()
+        if url:  # a frontend that cannot read what workers write refuses to start, before listening (fleet_files.py)
+            try:
+                await app[ROUTES].worker.handshake(getattr(args, "handshake_wait", 10.0))
+            except ValueError:
+                await runner.cleanup()
+                raise
         site = web.TCPSite(runner, args.host, args.port)
         try:
             await site.start()
@@ -264,12 +270,6 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); "
                              "is another server running there? Choose another --port") from None
         port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
-        if url:  # a frontend that cannot read what workers write refuses to start (fleet_files.py)
-            try:
-                await app[ROUTES].worker.handshake(getattr(args, "handshake_wait", 10.0))
-            except ValueError:
-                await runner.cleanup()
-                raise
         log.info("vramgraph serve on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", args.host, port,
                  engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
         try:

@@ -130,6 +130,15 @@ def dead_count(url: str) -> int:
     return asyncio.run(main())
 
 
+def unshared_frontend(folder: Path, url: str) -> subprocess.CompletedProcess:
+    """A second frontend whose output folder is not the workers': it must refuse to start (handshake)."""
+    (folder / "elsewhere").mkdir()
+    cmd = [sys.executable, "-m", "vramgraph", "serve", "--port", "0", "--broker", url, "--frontend-id", "fe2",
+           "--models", str(folder / "models"), "--input", str(folder / "input"), "--output", str(folder / "elsewhere"),
+           "--config", str(folder / "config.json"), "--device", "cpu", "--handshake-wait", "30"]
+    return subprocess.run(cmd, cwd=folder, env=ENV, capture_output=True, text=True, timeout=180)
+
+
 @pytest.fixture()
 def chaos_folder(tmp_path):
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
@@ -161,6 +170,7 @@ def test_fleet_chaos(chaos_folder):
                 figures = _chaos(url, folder, rabbit, workers, clients)
             finally:
                 clients.close()
+            refused = unshared_frontend(folder, rabbit.url)
             logs = [log.read_text(errors="replace")]
     finally:
         workers.stop()
@@ -170,6 +180,8 @@ def test_fleet_chaos(chaos_folder):
     for text in logs:
         assert PASSWORD not in text and SECRET not in text, "a secret in a log"
     assert sum(t.count("dropped an unsigned or altered message") for t in logs) >= 3, "forged prompts not dropped"
+    assert refused.returncode == 2 and "refusing to start" in refused.stderr and "cannot see" in refused.stderr, \
+        refused.stderr[-2000:]
     poison_deaths = [e for e in workers.exits if e[1] == -signal.SIGKILL]
     figures["worker_deaths"] = len(poison_deaths)
     assert len(poison_deaths) == figures["poison_tries"] + 1, workers.exits  # the poison's, and the one we killed

@@ -360,3 +360,73 @@ def test_batch_messages_name_only_the_clients_own_prompts(served):
     history = requests.get(served.url + "/history", timeout=30).json()
     assert sorted(history[pids["b"][0]]["vramgraph"]["batch"]["prompt_ids"]) == sorted(pids["b"])
 
+
+
+# ------------------------------------------------------------------------------------------ a worker's intake
+
+
+class FakeMessage(SimpleNamespace):
+    """What aio-pika's basic.get gives a worker: body, headers, routing key, reply_to, and ack/reject."""
+
+    async def ack(self) -> None:
+        self.outcome = "ack"
+
+    async def reject(self, requeue: bool = False) -> None:
+        self.outcome = f"reject(requeue={requeue})"
+
+
+def test_a_worker_checks_every_message_before_it_touches_a_folder(tmp_path):
+    """Signed by the fleet or dropped (dead-lettered); a bad id dropped; a folder that is not ours refused with an
+    error its client sees; a prompt that comes back announced; nothing outside the prompt's own folder touched."""
+    from vramgraph.nodes import ENGINE_NODES
+    from vramgraph.nodes.files import Folders
+    from vramgraph.server.broker import FRONTEND_QUEUE
+    from vramgraph.server.fleet_worker import FleetWorker
+    from vramgraph.server.ids import MARKER
+    from vramgraph.server.signing import Signer
+
+    out = tmp_path / "output"
+    (out / "portraits").mkdir(parents=True)
+    (out / "portraits" / "me.png").write_bytes(b"mine")
+    engine = SimpleNamespace(folders=Folders(output=out), nodes=ENGINE_NODES,
+                             ledger=SimpleNamespace(events=[], on_gpu={}))
+    signer = Signer(b"fleet-secret-0123456789")
+    fleet = FleetWorker(engine, "amqp://127.0.0.1:1/", signer=signer, ident="w1")
+    prompt = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json").read_text())
+
+    def msg(pid: str, key: str = "k", sign: Signer | None = signer, tries: int = 0, reply: str = FRONTEND_QUEUE + "fe"):
+        body = json.dumps({"number": 1, "prompt_id": pid, "prompt": prompt, "extra_data": {"client_id": "c"},
+                           "outputs": ["8"]}).encode()
+        headers = sign.headers(key, body, {"vg": "prompt"}) if sign else {"vg": "prompt"}
+        return FakeMessage(body=body, headers={**headers, "x-delivery-count": tries}, routing_key=key,
+                           reply_to=reply, redelivered=tries > 0, outcome=None)
+
+    async def main() -> dict:
+        fleet._outbox = asyncio.Queue()
+        results = {}
+        for name, m in {"unsigned": msg("p1", sign=None), "wrong secret": msg("p2", sign=Signer(b"x" * 20)),
+                        "moved": msg("p3", key="other"), "bad id": msg(".."), "empty id": msg(""),
+                        "foreign reply": msg("p4", reply="amq.gen-x"), "not ours": msg("portraits"),
+                        "fine": msg("p5"), "again": msg("p6", tries=1)}.items():
+            if name == "moved":
+                m.routing_key = "k"  # signed for "other", found in "k"
+            item = await fleet._admit(m, "k", [])
+            results[name] = (item is not None, m.outcome)
+        sent = []
+        while not fleet._outbox.empty():
+            kind, _, body, *_ = fleet._outbox.get_nowait()
+            sent.append((kind, json.loads(body)))
+        return {"results": results, "sent": sent}
+
+    got = asyncio.run(main())
+    dropped = (False, "reject(requeue=False)")
+    assert got["results"] == {"unsigned": dropped, "wrong secret": dropped, "moved": dropped, "bad id": dropped,
+                              "empty id": dropped, "foreign reply": dropped, "not ours": (False, None),
+                              "fine": (True, None), "again": (True, None)}
+    assert fleet.dropped == 3
+    kinds = [(k, b.get("kind") or b["entry"]["status"]["status_str"]) for k, b in got["sent"]]
+    assert kinds == [("event", "execution_error"), ("result", "error"), ("event", "vramgraph.retry")], kinds
+    assert "portraits" in got["sent"][0][1]["data"]["exception_message"]
+    assert got["sent"][2][1]["data"]["try"] == 2
+    assert (out / "portraits" / "me.png").read_bytes() == b"mine" and not (out / "portraits" / MARKER).exists()
+    assert sorted(p.name for p in out.iterdir()) == [".vramgraph-fleet", "p5", "p6", "portraits"]

@@ -42,7 +42,7 @@ from typing import Any
 from . import broker
 from .fleet_files import can_run, held_files, write_handshake
 from .hub import PREVIEW_IMAGE
-from .ids import BadId, NotOurs, check_prompt_id, claim
+from .ids import BadId, NotOurs, check_prompt_id, claim, unsafe_prefix
 from .queue import MAX_BATCH, Item, PromptQueue, Worker, _entry, _now_ms
 from .signing import Signer, redact
 
@@ -337,6 +337,7 @@ class FleetWorker:
             reply_to = str(m.reply_to or "")
             if not reply_to.startswith(broker.FRONTEND_QUEUE):
                 raise ValueError(f"reply_to {reply_to[:80]!r} is not a frontend's queue")
+            unsafe = unsafe_prefix(d["prompt"], self.engine.nodes)
         except (ValueError, KeyError, TypeError) as e:  # BadId is a ValueError
             log.error("a message in %s is not a prompt (%s); dead-lettered", broker.SET_QUEUE + key, e)
             await m.reject(requeue=False)
@@ -345,6 +346,9 @@ class FleetWorker:
             await m.ack()
             return None
         attempt = f"{self.ident}:{uuid.uuid4().hex[:8]}"
+        if unsafe:
+            self._refuse(m, (d["number"], pid, d["prompt"], d["extra_data"], d["outputs"]), reply_to, attempt, unsafe)
+            return None
         try:  # an earlier attempt's files (a worker that was killed) go; a folder we did not make is left alone
             await asyncio.get_running_loop().run_in_executor(None, claim, self.engine.folders.output, pid)
         except (NotOurs, BadId, OSError) as e:
@@ -517,4 +521,4 @@ def work(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["FleetWorker", "choose", "keyed_outputs", "work"]
+__all__ = ["FleetWorker", "choose", "keyed_outputs", "tries", "work"]

@@ -25,7 +25,7 @@ from . import broker
 from .bodies import json_error
 from .fleet_files import handshake_problem, missing_outputs
 from .hub import PREVIEW_IMAGE, Hub
-from .ids import taken_by_others
+from .ids import taken_by_others, unsafe_prefix
 from .queue import Item, PromptQueue
 from .routes import Routes, _duplicate
 from .signing import Signer, redact
@@ -410,6 +410,10 @@ class FrontendRoutes(Routes):
         if isinstance(admitted, web.Response):
             return admitted
         req, number, pid, check = admitted
+        unsafe = unsafe_prefix(req.prompt, self.engine.nodes) if isinstance(req.prompt, dict) else None
+        if unsafe:  # a fleet keeps each prompt's images in its own folder
+            return json_error(400, "filename_prefix leads out of the prompt's output folder", "invalid_prompt",
+                              details=unsafe)
         if taken_by_others(self.engine.folders.output, pid):
             return json_error(400, "prompt_id names a folder in the output folder that vramgraph did not make",
                               "invalid_prompt_id", details=f"output/{pid} exists and is not a prompt's folder; it "

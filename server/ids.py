@@ -9,7 +9,8 @@ A fleet worker writes a prompt's images into `<output>/<prompt_id>/`. Such a fol
 `claim` creates it with a marker file (`.vramgraph-prompt`, holding the id) and, when it exists already, empties it
 only if it is a real folder (not a link) directly inside the output folder whose marker names that same id. A
 folder of the same name that we did not make (a user's `portraits/`, the temp folder) is never removed or written
-into: `NotOurs` says so, and the prompt is refused with that reason.
+into: `NotOurs` says so, and the prompt is refused with that reason. An output node's filename_prefix must stay
+inside that folder too (`unsafe_prefix`: no absolute names, no '..').
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
+
+from ..nodes.files import safe_name
 
 log = logging.getLogger("vramgraph.server")
 MAX_PROMPT_ID = 64
@@ -116,5 +120,17 @@ def claim(root: Path, pid: str) -> Path:
     return path
 
 
+def unsafe_prefix(prompt: dict, nodes: Any) -> str | None:
+    """Why an output node's filename_prefix would leave the prompt's own folder `<output>/<prompt_id>/` (an absolute
+    name, or one with '..'), naming the node and the fix; None when every prefix stays inside it."""
+    for node, spec in prompt.items():
+        cls = nodes.get(spec.get("class_type")) if isinstance(spec, dict) else None
+        prefix = spec.get("inputs", {}).get("filename_prefix") if cls is not None else None
+        if getattr(cls, "OUTPUT_NODE", False) and isinstance(prefix, str) and not safe_name(prefix.replace("\\", "/")):
+            return (f"node {node} ({spec.get('class_type')}): filename_prefix {prefix[:80]!r} leads out of the "
+                    "prompt's own output folder; give a relative name without '..'")
+    return None
+
+
 __all__ = ["MARKER", "MAX_PROMPT_ID", "BadId", "NotOurs", "check_prompt_id", "claim", "is_ours", "is_uuid",
-           "prompt_folder", "prompt_id_problem", "taken_by_others"]
+           "prompt_folder", "prompt_id_problem", "taken_by_others", "unsafe_prefix"]

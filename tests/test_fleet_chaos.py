@@ -175,7 +175,7 @@ def test_fleet_chaos(chaos_folder):
     finally:
         workers.stop()
         rabbit.kill()
-    logs += [(folder / f"{w}.log").read_text(errors="replace") for w in WORKERS]
+    logs += [(folder / f"{w}.log").read_text(errors="replace") for w in WORKERS] + [refused.stdout + refused.stderr]
     assert tree(folder / "input", folder / "models", folder / "wmodels", folder / "output" / "portraits") == before
     for text in logs:
         assert PASSWORD not in text and SECRET not in text, "a secret in a log"

@@ -394,8 +394,10 @@ def test_a_worker_checks_every_message_before_it_touches_a_folder(tmp_path):
     fleet = FleetWorker(engine, "amqp://127.0.0.1:1/", signer=signer, ident="w1")
     prompt = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json").read_text())
 
-    def msg(pid: str, key: str = "k", sign: Signer | None = signer, tries: int = 0, reply: str = FRONTEND_QUEUE + "fe"):
-        body = json.dumps({"number": 1, "prompt_id": pid, "prompt": prompt, "extra_data": {"client_id": "c"},
+    def msg(pid: str, key: str = "k", sign: Signer | None = signer, tries: int = 0, reply: str = FRONTEND_QUEUE + "fe",
+            prefix: str = "x"):
+        p = {**prompt, "8": {**prompt["8"], "inputs": {**prompt["8"]["inputs"], "filename_prefix": prefix}}}
+        body = json.dumps({"number": 1, "prompt_id": pid, "prompt": p, "extra_data": {"client_id": "c"},
                            "outputs": ["8"]}).encode()
         headers = sign.headers(key, body, {"vg": "prompt"}) if sign else {"vg": "prompt"}
         return FakeMessage(body=body, headers={**headers, "x-delivery-count": tries}, routing_key=key,
@@ -407,6 +409,7 @@ def test_a_worker_checks_every_message_before_it_touches_a_folder(tmp_path):
         for name, m in {"unsigned": msg("p1", sign=None), "wrong secret": msg("p2", sign=Signer(b"x" * 20)),
                         "moved": msg("p3", key="other"), "bad id": msg(".."), "empty id": msg(""),
                         "foreign reply": msg("p4", reply="amq.gen-x"), "not ours": msg("portraits"),
+                        "prefix out": msg("p7", prefix="../portraits/x"),
                         "fine": msg("p5"), "again": msg("p6", tries=1)}.items():
             if name == "moved":
                 m.routing_key = "k"  # signed for "other", found in "k"
@@ -422,11 +425,12 @@ def test_a_worker_checks_every_message_before_it_touches_a_folder(tmp_path):
     dropped = (False, "reject(requeue=False)")
     assert got["results"] == {"unsigned": dropped, "wrong secret": dropped, "moved": dropped, "bad id": dropped,
                               "empty id": dropped, "foreign reply": dropped, "not ours": (False, None),
-                              "fine": (True, None), "again": (True, None)}
+                              "prefix out": (False, None), "fine": (True, None), "again": (True, None)}
     assert fleet.dropped == 3
     kinds = [(k, b.get("kind") or b["entry"]["status"]["status_str"]) for k, b in got["sent"]]
-    assert kinds == [("event", "execution_error"), ("result", "error"), ("event", "vramgraph.retry")], kinds
+    assert kinds == [("event", "execution_error"), ("result", "error")] * 2 + [("event", "vramgraph.retry")], kinds
     assert "portraits" in got["sent"][0][1]["data"]["exception_message"]
-    assert got["sent"][2][1]["data"]["try"] == 2
+    assert "filename_prefix" in got["sent"][2][1]["data"]["exception_message"]
+    assert got["sent"][4][1]["data"]["try"] == 2
     assert (out / "portraits" / "me.png").read_bytes() == b"mine" and not (out / "portraits" / MARKER).exists()
     assert sorted(p.name for p in out.iterdir()) == [".vramgraph-fleet", "p5", "p6", "portraits"]

@@ -283,12 +283,12 @@ class FleetWorker:
         """The known sets whose model files this worker holds (it takes prompts of these only)."""
         return sorted(k for k, models in self.sets.items() if can_run(models, self.files))
 
-    async def _heartbeat(self, exchange: Any) -> None:
+    async def _heartbeat(self, channel: Any, exchange: Any) -> None:
         while True:
             body = json.dumps({"type": "worker", "id": self.ident, "holds": self.holds(), "busy": self.busy,
                                "loads": self.loads(), "taken": self.taken, "resident": self.resident,
                                "can": self.runnable(), "token": self.token}).encode()
-            await broker.publish(self.channel, self.signer, "", body, exchange=exchange)
+            await broker.publish(channel, self.signer, "", body, exchange=exchange)
             await asyncio.sleep(HEARTBEAT)
 
     async def _take(self, key: str | None, queues: dict[str, Any], held: list[str]) -> None:
@@ -398,7 +398,7 @@ class FleetWorker:
         generation = self.generation
         self._outbox, self._replies = asyncio.Queue(), set()
         tasks = [asyncio.create_task(self._publisher(channel, generation)),
-                 asyncio.create_task(self._heartbeat(fleet))]
+                 asyncio.create_task(self._heartbeat(channel, fleet))]
         queues: dict[str, Any] = {}
         catalog_at = 0.0
         self.channel = channel

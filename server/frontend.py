@@ -59,6 +59,7 @@ class Frontend:
                                       "dropped": 0, "missing_images": 0}
         self.peers: dict[str, dict] = {}  # worker id -> its last heartbeat
         self.unshared: dict[str, str] = {}  # worker id -> why its output folder is not ours
+        self.checked: dict[str, str] = {}  # worker id -> the handshake token found in our output folder
         self.held: dict[str, dict[Any, list]] = {}  # prompt id -> attempt -> its ending events, until its result
 
     def text(self, value: Any) -> str:
@@ -150,12 +151,12 @@ class Frontend:
         for key in self.sets:  # the queues of sets published before the broker went away
             await broker.declare_prompts(channel, key)
         self._catalogued = set(await broker.read_catalog(channel, self.signer))
+        self.channel = channel
         await replies.consume(self._reply)
         await dead.consume(self._dead)
         news = await channel.declare_queue("", exclusive=True, auto_delete=True)
         await news.bind(broker.FLEET)
         await news.consume(self._news, no_ack=True)
-        self.channel = channel
         log.info("frontend %s connected to the broker %s", self.ident, self.text(self.url))
         while not closed.is_set():
             await asyncio.wait_for(self._announce(), broker.PUBLISH_TIMEOUT)
@@ -234,14 +235,15 @@ class Frontend:
                 self._check_worker(wid, d.get("token"))
 
     def _check_worker(self, wid: str, token: Any) -> None:
-        if self.folders is None or wid in self.unshared or self.peers[wid].get("checked") == token:
+        """Read a worker's handshake file once per token (fleet_files.py); a worker that fails is listed."""
+        if self.folders is None or wid in self.unshared or self.checked.get(wid) == token:
             return
         problem = handshake_problem(self.folders.output, wid, token)
         if problem:
             self.unshared[wid] = problem
             log.warning("%s", problem)
         else:
-            self.peers[wid]["checked"] = token
+            self.checked[wid] = token
 
     async def _reply(self, message: Any) -> None:
         if not self._signed(message, self.reply_to):
@@ -268,25 +270,35 @@ class Frontend:
         await message.ack()
 
     async def _dead(self, message: Any) -> None:
-        """A dead-lettered prompt (any frontend's): its own frontend is told, through its queue (kind "dead")."""
-        try:
-            if not self._signed(message, broker.DEAD_NOTIFY):
+        """A dead-lettered prompt (any frontend's): its own frontend is told, through its queue (kind "dead"). The
+        prompt itself stays in the kept queue `vramgraph.dead`, whatever happens here."""
+        note = self._dead_note(message) if self._signed(message, broker.DEAD_NOTIFY) else None
+        reply_to = str(message.reply_to or "")
+        if note is not None and reply_to.startswith(broker.FRONTEND_QUEUE) and self.channel is not None:
+            try:
+                await broker.publish(self.channel, self.signer, reply_to, json.dumps(note).encode(),
+                                     headers={"vg": "dead"}, persistent=True)
+            except Exception as e:  # the broker went: another frontend (or this one, back) tells it
+                log.warning("could not pass on dead-lettered prompt %s (%s)", note["prompt_id"], self.text(e))
+                await message.nack(requeue=True)
                 return
+        await message.ack()
+
+    def _dead_note(self, message: Any) -> dict | None:
+        """What a prompt's frontend is told of its dead-lettered message, or None when it cannot be read."""
+        try:
             headers = message.headers or {}
             reason = str(headers.get("x-first-death-reason") or "rejected")
             d = broker.json_body(message)
             pid = str(d["prompt_id"])
             deaths = headers.get("x-death") or [{}]
             tries = broker.TRIES if reason == "delivery_limit" else int(deaths[0].get("count", 1))
-            note = {"prompt_id": pid, "reason": reason, "tries": tries, "sid": (d.get("extra_data") or {}).get(
-                "client_id"), "item": [d.get("number"), pid, d.get("prompt"), d.get("extra_data"), d.get("outputs")]}
-            if message.reply_to and self.channel is not None:
-                await broker.publish(self.channel, self.signer, str(message.reply_to), json.dumps(note).encode(),
-                                     headers={"vg": "dead"}, persistent=True)
-        except (ValueError, KeyError, TypeError) as e:
+            extra = d.get("extra_data") if isinstance(d.get("extra_data"), dict) else {}
+            return {"prompt_id": pid, "reason": reason, "tries": tries, "sid": extra.get("client_id"),
+                    "item": [d.get("number"), pid, d.get("prompt"), extra, d.get("outputs")]}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("a dead-lettered message could not be read (%s); it stays in %s", e, broker.DEAD)
-        finally:
-            await message.ack()
+            return None
 
     def _dead_letter(self, d: dict) -> None:
         from .queue import _entry, _now_ms
@@ -389,7 +401,7 @@ class Frontend:
                 "dropped_unsigned": self.stats["dropped"], "missing_images": self.stats["missing_images"],
                 "workers": self.stats["workers"], "sets": dict(self.sets),
                 "no_worker": sorted(k for k in self.sets if k not in served), "unshared": dict(self.unshared),
-                "alive": {w: {k: v for k, v in p.items() if k not in ("seen", "token", "checked")}
+                "alive": {w: {k: v for k, v in p.items() if k not in ("seen", "token")}
                           for w, p in alive.items()}}
 
 

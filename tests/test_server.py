@@ -648,7 +648,8 @@ def test_queued_prompts_run_as_one_batch(folders):
         again, _, again_pids = asyncio.run(_run_queued(srv.url, bodies, engine._lock.release))
         assert wait_history(srv.url, blocker["prompt_id"])["status"]["status_str"] == "success"
         again_history = {pid: wait_history(srv.url, pid) for pid in again_pids}
-    assert [m["data"]["prompt_ids"] for m in again["batch-a"] if m["type"] == "vramgraph.plan"] == [again_pids]
+    assert [m["data"]["prompt_ids"] for m in again["batch-a"] if m["type"] == "vramgraph.plan"] == \
+        [[again_pids[0], again_pids[2]]], "one batch; a client hears of its own prompts only"
     for i, pid in enumerate(again_pids):
         seq = [m for c in again.values() for m in c if m["type"] != "status" and m["data"].get("prompt_id") == pid]
         cached = [m["data"]["nodes"] for m in seq if m["type"] == "execution_cached"]
@@ -668,8 +669,8 @@ def test_queued_prompts_run_as_one_batch(folders):
     mine = {"batch-a": [pids[0], pids[2]], "batch-b": [pids[1]]}
     for client, own in mine.items():
         plans = [m["data"] for m in msgs[client] if m["type"] == "vramgraph.plan"]
-        assert len(plans) == 1 and plans[0]["prompt_ids"] == pids, "one merged plan for the batch"
-        assert sorted(plans[0]["members"]) == sorted(pids)
+        assert len(plans) == 1 and plans[0]["prompt_ids"] == own, "one merged plan, naming the client's prompts"
+        assert sorted(plans[0]["members"]) == sorted(own)
         assert {m["data"]["prompt_id"] for m in msgs[client] if m["type"] not in ("status",)} <= set(own)
         for pid in own:
             seq = [m for m in msgs[client] if m["type"] != "status" and m["data"].get("prompt_id") == pid]
@@ -699,7 +700,8 @@ def test_queued_prompts_run_as_one_batch(folders):
         assert entry["status"]["messages"][0][0] == "execution_start"
         assert entry["status"]["messages"][-1][0] == "execution_success"
         report = entry["vramgraph"]
-        assert report["batch"]["prompt_ids"] == pids and report["batch"]["index"] == i
+        assert report["batch"]["prompt_ids"] == (mine["batch-b"] if i == 1 else mine["batch-a"])
+        assert report["batch"]["index"] == i
         assert report["members"]["8"] == f"q{i}:8" and report["members"]["1"] == "q0:1"
         assert report["loads"] == 3 and report["plan"]["steps"] and "partial" not in report
 

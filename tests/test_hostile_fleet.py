@@ -205,6 +205,11 @@ def test_image_bombs_are_refused_before_decoding(tmp_path):
     with open_image(data, 13000 * 13000) as im:  # the cap is the config's: raised, it is read
         assert im.size == (13000, 13000)
     assert Folders().max_image_pixels == MAX_IMAGE_PIXELS
+    from vramgraph.graph.workflow.errors import WorkflowError
+    from vramgraph.graph.workflow.parse import load_workflow
+
+    with pytest.raises(WorkflowError, match="refused before decoding"):  # a PNG "workflow" that is a bomb
+        load_workflow(tmp_path / "bomb.png")
 
 
 def test_image_cap_comes_from_the_config(tmp_path):

@@ -124,7 +124,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
                                 nodes=engine.nodes, cost=engine.cost, allow_builtin=True)
     queue, hub = PromptQueue(), Hub()
     if broker:
-        from .frontend import Frontend, FrontendRoutes
+        from .fleet_frontend import Frontend, FrontendRoutes
         from .signing import signer as read_signer
 
         worker: Any = Frontend(broker, queue, hub, frontend_id, signer=signer or read_signer(), folders=engine.folders)

@@ -65,6 +65,9 @@ def _engine_args(p: argparse.ArgumentParser, outputs: bool = True, json_flag: bo
 
 
 def _fleet_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker-secret-file", default=None, metavar="PATH",
+                   help="the fleet's shared secret that signs every broker message (its first line; default: the "
+                        "environment variable VRAMGRAPH_BROKER_SECRET); the same on every frontend and worker")
     p.add_argument("--max-batch", type=int, default=16, help="prompts of one model set planned as one run, at most")
     p.add_argument("--steal-after", type=float, default=30.0, metavar="SECONDS",
                    help="take prompts of a model set other workers hold once its queue has waited this long")
@@ -147,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
                         "this RabbitMQ (amqp://user:pass@host:5672/); `vramgraph worker` runs them")
     s.add_argument("--frontend-id", default=None, help="this frontend's name on the broker (default: host-port)")
     s.add_argument("--work", action="store_true", help="with --broker: also run a worker in this process")
+    s.add_argument("--handshake-wait", type=float, default=10.0, metavar="SECONDS",
+                   help="with --broker: wait this long at start for a worker, and refuse to start when it writes its "
+                        "images into an output folder this server cannot read")
     _fleet_args(s)
     _engine_args(s)
     w = sub.add_parser("worker", help="run prompts that `serve --broker` frontends published (model-aware)")

@@ -202,11 +202,12 @@ class ModelCatalog:
 
     # -- what estimates ask (nodes.types.EstimateEnv)
     def image_size(self, name: str) -> tuple[int, int]:
-        from PIL import Image
+        from .images import open_image
 
         if self.folders is None:
             raise FileNotFoundError(f"'{name}': this catalogue has no input folder")
-        with Image.open(self.folders.resolve("input", name)) as im:
+        path = self.folders.resolve("input", name)
+        with open_image(path, self.folders.max_image_pixels, f"input image {name}") as im:
             return im.size
 
     @property

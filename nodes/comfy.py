@@ -183,6 +183,12 @@ class ComfyContext:
         raise FileNotFoundError(f"'{name}' is not in ComfyUI's {folder} folder; put the file there")
 
     @property
+    def max_image_pixels(self) -> int:
+        from .images import MAX_IMAGE_PIXELS
+
+        return MAX_IMAGE_PIXELS
+
+    @property
     def output_dir(self) -> Path:
         return Path(_folder_paths().get_output_directory())
 

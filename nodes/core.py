@@ -636,7 +636,7 @@ class LoadImage:
         from . import ops
 
         vg = vg or comfy_context(self)
-        return ops.load_image(str(vg.resolve("input", image)))
+        return ops.load_image(str(vg.resolve("input", image)), vg.max_image_pixels)
 
 
 class ImageScaleToTotalPixels:

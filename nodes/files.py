@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..models.paths import walk_files
+from .images import MAX_IMAGE_PIXELS
 from .modelpaths import ExtraPath, missing_file
 
 MODEL_FOLDERS = {  # ComfyUI's folder name -> the names it also answers to
@@ -112,6 +113,7 @@ class Folders:
     temp: Path = field(default_factory=lambda: Path("temp"))
     checkpoints: tuple[Path, ...] = ()  # extra roots whose subfolders are checkpoints (--checkpoint PATH's parent)
     extra: tuple[ExtraPath, ...] = ()  # extra_model_paths.yaml's folders (nodes/modelpaths.py)
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # images from outside larger than this are refused (nodes/images.py)
 
     def model_dirs(self, folder: str) -> list[Path]:
         """The existing folders searched for `folder`, in ComfyUI's order: extra folders of an `is_default` group

@@ -7,6 +7,7 @@ module's device, and returns CPU tensors, so nothing a node produces holds GPU m
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from ..models.sampling import pack_references, sample
 from ..models.streaming import Kept
 from ..models.vae import Flux2VAE
 from .estimates import TILE_OVERLAP, tile_spans
+from .images import MAX_IMAGE_PIXELS, open_image
 
 Progress = Callable[[int, int], None]
 Between = Callable[[], None] | None  # called between the blocks, layers or tiles of a long node (its interrupt check)
@@ -173,11 +175,12 @@ def resize(image: torch.Tensor, width: int, height: int, method: str) -> torch.T
     return x.permute(0, 2, 3, 1).clamp(0, 1) if method == "bicubic" else x.permute(0, 2, 3, 1)
 
 
-def load_image(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """ComfyUI's LoadImage: (IMAGE (1, H, W, 3), MASK (1, H, W)); the mask is 1 - alpha, else zeros."""
+def load_image(path: str, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's LoadImage: (IMAGE (1, H, W, 3), MASK (1, H, W)); the mask is 1 - alpha, else zeros. An image of
+    more than `max_pixels` pixels is refused before decoding (images.ImageTooLarge)."""
     from PIL import ImageOps
 
-    with Image.open(path) as im:
+    with open_image(path, max_pixels, f"input image {Path(path).name}") as im:
         im = ImageOps.exif_transpose(im)
         rgb = np.asarray(im.convert("RGB")).astype(np.float32) / 255.0
         if "A" in im.getbands():

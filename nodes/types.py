@@ -219,6 +219,9 @@ class RunContext(Protocol):
 
     def resolve(self, folder: str, name: str) -> Any: ...  # a file in models/ or input/
 
+    @property
+    def max_image_pixels(self) -> int: ...  # images read from files larger than this are refused (nodes/images.py)
+
     def progress(self, value: int, total: int) -> None: ...
 
     def check_interrupted(self) -> None: ...

@@ -130,7 +130,7 @@ ROUTES = web.AppKey("vramgraph", Routes)  # app[ROUTES]: the queue, worker and h
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
              batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None,
              cors: str | None = None, broker: str | None = None, frontend_id: str | None = None,
-             front_end: Path | None = None) -> web.Application:
+             front_end: Path | None = None, signer: Any = None) -> web.Application:
     """The aiohttp application over `engine` (a graph.engine.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -144,6 +144,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     origin checks (security.py). `broker` (an AMQP URL) makes the app a frontend (broker.py): prompts are planned
     here for the engine's budget (the reference card) and published; workers run them. `front_end` is the folder of
     the front end served at `/` (frontend.front_end_root; None: our page, which is at /vramgraph/ either way).
+    `signer` (signing.py) signs and checks its broker messages (default: from VRAMGRAPH_BROKER_SECRET).
     """
     from ..graph.engine.executor import Engine
 
@@ -152,9 +153,10 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
                                 nodes=engine.nodes, cost=engine.cost, allow_builtin=True)
     queue, hub = PromptQueue(), Hub()
     if broker:
-        from .broker import Frontend, FrontendRoutes
+        from .fleet_frontend import Frontend, FrontendRoutes
+        from .signing import signer as read_signer
 
-        worker: Any = Frontend(broker, queue, hub, frontend_id)
+        worker: Any = Frontend(broker, queue, hub, frontend_id, signer=signer or read_signer(), folders=engine.folders)
         routes: Routes = FrontendRoutes(engine, queue, hub, worker, planner)
     else:
         worker = Worker(engine, queue, hub, previews, batch=batch)
@@ -272,11 +274,14 @@ def serve(args: argparse.Namespace) -> int:
     from ..graph.engine.runtime import engine_from
 
     url = getattr(args, "broker", None)
-    if url:  # a frontend: the AMQP client and a usable URL, checked before anything is loaded
+    signer = None
+    if url:  # a frontend: the AMQP client, a usable URL and the shared secret, checked before anything is loaded
         from .broker import amqp, check_url, frontend_id
+        from .signing import signer as read_signer
 
         amqp()
         check_url(url)
+        signer = read_signer(getattr(args, "broker_secret_file", None))
     elif getattr(args, "work", False):
         raise ValueError("--work runs a fleet worker beside the frontend: give --broker amqp://... too")
     front_end, user_dir = _front_end_and_user_dir(args)  # a missing front end is refused before models load
@@ -291,17 +296,23 @@ def serve(args: argparse.Namespace) -> int:
     engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
     app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()),
                    cors=getattr(args, "enable_cors_header", None), user_dir=user_dir, front_end=front_end,
-                   broker=url,
+                   broker=url, signer=signer,
                    frontend_id=(getattr(args, "frontend_id", None) or frontend_id(args.port)) if url else None)
     if url and getattr(args, "work", False):  # one process, both: a fleet worker on the same engine
         from .fleet_worker import FleetWorker, run_in_thread
 
-        run_in_thread(FleetWorker(engine, url, max_batch=getattr(args, "max_batch", 16),
+        run_in_thread(FleetWorker(engine, url, signer=signer, max_batch=getattr(args, "max_batch", 16),
                                   steal_after=getattr(args, "steal_after", 30.0), grace=getattr(args, "grace", 1.0)))
 
     async def main() -> None:
         runner = web.AppRunner(app, handle_signals=True)
         await runner.setup()
+        if url:  # a frontend that cannot read what workers write refuses to start, before listening (fleet_files.py)
+            try:
+                await app[ROUTES].worker.handshake(getattr(args, "handshake_wait", 10.0))
+            except ValueError:
+                await runner.cleanup()
+                raise
         site = web.TCPSite(runner, args.host, args.port)
         try:
             await site.start()

@@ -1,9 +1,11 @@
 """What the server reads from requests, checked before any handler uses it, and its 4xx answers.
 
 Every refusal has ComfyUI's error shape, `{"error": {type, message, details, extra_info}, "node_errors": {}}`.
-JSON bodies are parsed strictly: no NaN or Infinity constants (they would make /queue and /history
-invalid JSON for every browser), at most MAX_DEPTH levels of nesting, at most MAX_JSON_BYTES.
-Identifiers a client chooses (client_id, clientId, prompt_id) are short printable strings.
+JSON bodies are parsed strictly: no NaN or Infinity constants and no number that overflows to one (1e999; they
+would make /queue, /history and /api/jobs invalid JSON for every browser), at most MAX_DEPTH levels of nesting,
+at most MAX_JSON_BYTES.
+Identifiers a client chooses (client_id, clientId) are short printable strings; a prompt_id is a UUID or a short
+name of safe characters (ids.py), as it names a folder in a fleet's output.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
+from .ids import BadId, check_prompt_id
 
 MAX_JSON_BYTES = 64 * 2**20  # a prompt with embedded UI workflow is a few MiB at most
 MAX_DEPTH = 128  # nesting levels of a JSON body (a UI workflow with subgraphs needs ~20)
@@ -43,6 +47,14 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or exponent, refused when it overflows to an infinity (1e999)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is too large for a number (it would be an infinity)")
+    return value
+
+
 def _depth(value: Any) -> int:
     """The nesting depth of a parsed JSON value, without recursion."""
     deepest, stack = 0, [(value, 1)]
@@ -59,7 +71,7 @@ def _depth(value: Any) -> int:
 def parse_json(raw: bytes | str) -> Any:
     """A JSON document parsed strictly (see the module doc); BadRequest when it is not one."""
     try:
-        value = json.loads(raw, parse_constant=_no_constant)
+        value = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise BadRequest("the body is nested too deeply", f"JSON bodies may nest at most {MAX_DEPTH} levels",
                          "invalid_json") from None
@@ -161,7 +173,11 @@ def prompt_request(body: Any) -> PromptRequest:
         raise BadRequest("extra_data.extra_pnginfo must be an object",
                          f"extra_pnginfo: got a JSON {_kind(extra['extra_pnginfo'])}")
     pid = body.get("prompt_id")
-    pid = None if pid in (None, "") else sane_id(pid, "prompt_id")  # ComfyUI: a new id when none is given
+    if pid is not None:  # ComfyUI: a new id when none is given
+        try:
+            pid = check_prompt_id(pid)
+        except BadId as e:
+            raise BadRequest("prompt_id is not a valid id", str(e), "invalid_prompt_id") from None
     targets = body.get("partial_execution_targets")
     if targets is not None:
         if not isinstance(targets, list) or not all(isinstance(t, str | int) and not isinstance(t, bool)

@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import io
-import itertools
 import json
 import logging
-import os
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from ..nodes.images import ImageTooLarge, open_image
 from . import formats
-from .bodies import id_list, read_object, sane_id
+from .bodies import BadRequest, id_list, parse_json, read_object, sane_id
 from .routes import Routes, _inside, _json_error
+from .security import save_upload
 
 log = logging.getLogger("vramgraph.server")
 
@@ -102,7 +103,7 @@ class Compat:
         if order not in ("asc", "desc"):
             return web.json_response({"error": "sort_order must be 'asc' or 'desc'"}, status=400)
         limit, offset = q.get("limit"), q.get("offset", "0")
-        if (limit is not None and not (limit.isdigit() and int(limit) > 0)) or not offset.lstrip("-").isdigit():
+        if (limit is not None and not (_digits(limit) and int(limit) > 0)) or not _digits(offset.removeprefix("-")):
             return web.json_response({"error": "limit must be a positive integer and offset an integer"}, status=400)
         running, pending = self.queue.current()
         jobs = [*(formats.queued_job(i, "in_progress") for i in running if "in_progress" in wanted),
@@ -175,7 +176,13 @@ class Compat:
     async def upload_mask(self, request: web.Request) -> web.Response:
         """ComfyUI's mask upload: the uploaded image's alpha becomes the alpha of the image `original_ref` names
         (a file in input, output or temp), saved as a new PNG where `type` and `subfolder` say (default input)."""
-        post = await request.post()
+        try:
+            post = await request.post()
+        except web.HTTPException:
+            raise
+        except Exception as e:  # aiohttp's multipart parser on a malformed body: ValueError, AssertionError, ...
+            return _json_error(400, "the body is not a readable form", details="send multipart/form-data with a PNG "
+                               f"'image', and 'original_ref' ({type(e).__name__})")
         mask, kind = post.get("image"), str(post.get("type") or "input")
         name = getattr(mask, "filename", None)
         root = self.routes.folder(kind)
@@ -190,12 +197,13 @@ class Compat:
                                     '{"filename", "subfolder", "type"}; subfolder and type must stay inside them')
         if not original.is_file():
             return _json_error(404, f"original_ref names no file: {original.name}")
-        data, overwrite = mask.file.read(), str(post.get("overwrite") or "") in ("true", "1")
+        data = mask.file.read()
+        overwrite = str(post.get("overwrite") or "") in ("true", "1") and kind != "output"  # outputs never replaced
+        cap = self.engine.folders.max_image_pixels
 
         def save() -> Path:
-            from PIL import Image
 
-            with Image.open(original) as im, Image.open(io.BytesIO(data)) as m:
+            with open_image(original, cap, "the original image") as im, open_image(data, cap, "the mask") as m:
                 if im.size != m.size:
                     raise ValueError(f"the mask is {m.size[0]}x{m.size[1]}, the image {im.size[0]}x{im.size[1]}")
                 text = dict(getattr(im, "text", {}) or {})
@@ -207,31 +215,25 @@ class Compat:
             for k, v in text.items():
                 info.add_text(k, v)
             folder.mkdir(parents=True, exist_ok=True)
-            path = folder / name
-            stem, suffix = os.path.splitext(name)
-            for i in itertools.count(1):
-                if overwrite or not path.exists():
-                    break
-                path = folder / f"{stem} ({i}){suffix}"
             buf = io.BytesIO()
             out.save(buf, format="PNG", compress_level=4, pnginfo=info)
-            part = path.with_name(path.name + ".part")
-            part.write_bytes(buf.getvalue())
-            part.replace(path)
-            return path
+            return save_upload(folder, name, buf.getvalue(), overwrite, reuse=False)
 
         try:
             path = await asyncio.get_running_loop().run_in_executor(None, save)
-        except (OSError, ValueError, SyntaxError) as e:  # not an image (PIL's UnidentifiedImageError is an OSError)
-            return _json_error(400, f"cannot apply the mask: {e}")
+        except ImageTooLarge as e:
+            return _json_error(400, "the image is too large", "image_too_large", details=str(e))
+        except (OSError, ValueError, SyntaxError, EOFError, TypeError, KeyError, IndexError, ZeroDivisionError,
+                MemoryError, struct.error) as e:  # not an image, or a hostile one (what PIL raises)
+            return _json_error(400, f"cannot apply the mask: {type(e).__name__}: {e}"[:300])
         return web.json_response({"name": path.name, "subfolder": subfolder, "type": kind})
 
 
 def _original(routes: Routes, raw: Any) -> Path | None:
     """The file a mask upload's `original_ref` names, or None when it is malformed or leaves its folder."""
     try:
-        ref = json.loads(str(raw))
-    except ValueError:
+        ref = parse_json(str(raw))
+    except BadRequest:
         return None
     if not isinstance(ref, dict) or not isinstance(ref.get("filename"), str):
         return None
@@ -244,6 +246,11 @@ def _original(routes: Routes, raw: Any) -> Path | None:
         return None
     root = routes.folder(kind)
     return None if root is None else _inside(root, sub, name)
+
+
+def _digits(text: str) -> bool:
+    """Whether `text` is a whole number written in ASCII digits (str.isdigit takes '²' too), of sane length."""
+    return text.isascii() and text.isdigit() and len(text) < 16
 
 
 def _dumps(obj: Any) -> str:

@@ -33,7 +33,6 @@ import copy
 import heapq
 import json
 import logging
-import shutil
 import threading
 import time
 import uuid
@@ -41,8 +40,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import broker
+from .fleet_files import can_run, held_files, write_handshake
 from .hub import PREVIEW_IMAGE
-from .queue import MAX_BATCH, Item, PromptQueue, Worker
+from .ids import BadId, NotOurs, check_prompt_id, claim, unsafe_prefix
+from .queue import MAX_BATCH, Item, PromptQueue, Worker, _entry, _now_ms
+from .signing import Signer, redact
 
 log = logging.getLogger("vramgraph.worker")
 HEARTBEAT = 0.5  # seconds between a worker's heartbeats; a worker silent for 4 of them is taken as gone
@@ -51,6 +53,7 @@ GRACE = 1.0  # see the module doc
 STEAL_AFTER = 30.0
 STEAL_BATCHES = 2  # another worker's set is also taken when over this many full batches per holder wait
 CATALOG_EVERY = 5.0  # seconds between re-reading the catalog of sets
+FILES_EVERY = 30.0  # seconds between looks at which model files this worker holds
 
 
 @dataclass
@@ -63,6 +66,12 @@ class Delivery:
     generation: int  # the connection it came on
     set: str
     resident: bool
+
+
+def tries(message: Any) -> int:
+    """How many times the broker delivered `message` before (its quorum queue's x-delivery-count)."""
+    n = (message.headers or {}).get("x-delivery-count")
+    return n if isinstance(n, int) and n >= 0 else int(bool(message.redelivered))
 
 
 def keyed_outputs(prompt: dict, pid: str, nodes: dict) -> dict:
@@ -132,10 +141,15 @@ class RelayHub:
 
 
 class FleetWorker:
-    def __init__(self, engine: Any, url: str, *, ident: str | None = None, max_batch: int = MAX_BATCH,
-                 grace: float = GRACE, steal_after: float = STEAL_AFTER) -> None:
-        self.engine, self.url = engine, broker.check_url(url)
+    def __init__(self, engine: Any, url: str, *, signer: Signer, ident: str | None = None,
+                 max_batch: int = MAX_BATCH, grace: float = GRACE, steal_after: float = STEAL_AFTER) -> None:
+        self.engine, self.url, self.signer = engine, broker.check_url(url), signer
         self.ident = ident or broker.frontend_id()
+        self.token = write_handshake(engine.folders.output, self.ident)  # ValueError for an id unfit as a file name
+        self.files: set[str] = set()  # the model files this worker holds (fleet_files.held_files)
+        self.files_at = -FILES_EVERY
+        self.solo: list[Any] = []  # redelivered prompts taken while filling a batch: each runs alone next
+        self.dropped = 0  # unsigned or altered messages
         self.max_batch, self.grace, self.steal_after = max_batch, grace, steal_after
         self.queue = FleetQueue(self)
         self.worker = Worker(engine, self.queue, RelayHub(self), previews=False, batch=True,  # type: ignore[arg-type]
@@ -164,6 +178,10 @@ class FleetWorker:
                 self.loop.call_soon_threadsafe(fn, *args)
 
     # -- on the event loop
+    def text(self, value: Any) -> str:
+        """`value` as text with the broker's password hidden (for logs)."""
+        return redact(str(value), broker.password(self.url))
+
     def loads(self) -> int:
         return sum(1 for e in self.engine.ledger.events if e.kind == "load")
 
@@ -216,7 +234,6 @@ class FleetWorker:
 
     async def _publisher(self, channel: Any, generation: int) -> None:
         """Sends the outbox in order on this connection; a result's message is acknowledged once it is confirmed."""
-        aio_pika = broker.amqp()
         assert self._outbox is not None
         while True:
             kind, reply_to, body, gen, persistent, headers, ack = await self._outbox.get()
@@ -225,87 +242,155 @@ class FleetWorker:
             if reply_to not in self._replies:
                 await channel.declare_queue(reply_to, durable=True)  # results wait there for their frontend
                 self._replies.add(reply_to)
-            await channel.default_exchange.publish(aio_pika.Message(
-                body, headers={"vg": kind, **headers}, delivery_mode=aio_pika.DeliveryMode.PERSISTENT if persistent
-                else aio_pika.DeliveryMode.NOT_PERSISTENT), reply_to)
+            await broker.publish(channel, self.signer, reply_to, body, headers={"vg": kind, **headers},
+                                 persistent=persistent)
             if ack is not None:
                 await ack.ack()
 
+    def _signed(self, message: Any, where: str) -> bool:
+        if self.signer.valid(message):
+            return True
+        self.dropped += 1
+        log.warning("dropped an unsigned or altered message from %s (routing key %r)", where,
+                    str(message.routing_key)[:80])
+        return False
+
     async def _news(self, message: Any) -> None:
+        if not self._signed(message, broker.FLEET):
+            return
         try:
             d = broker.json_body(message)
         except ValueError:
             return
         t = d.get("type")
-        if t == "sets":
-            self.sets.update({str(k): list(v) for k, v in d.get("sets", {}).items()})
+        if t == "sets" and isinstance(d.get("sets"), dict):
+            self.sets.update({str(k): [str(m) for m in v] for k, v in d["sets"].items() if isinstance(v, list)})
         elif t == "worker" and d.get("id") != self.ident:
             self.peers[str(d["id"])] = (set(d.get("holds", [])) | ({d["busy"]} if d.get("busy") else set()),
                                         time.monotonic())
-        elif t == "interrupt":
+        elif t == "interrupt":  # always of one prompt: a frontend names the one it saw running
             pid = d.get("prompt_id")
-            if pid is None:
-                if any(x.reply_to == broker.FRONTEND_QUEUE + str(d.get("frontend")) for x in self.deliveries.values()):
-                    self.worker.interrupt(None)
-            elif pid in self.deliveries:
+            if isinstance(pid, str) and pid in self.deliveries:
                 self.worker.interrupt(pid)
         elif t == "free":
             for flag in ("unload_models", "free_memory"):
                 if d.get(flag):
                     self.queue.set_flag(flag, True)
-        elif t == "delete":
-            self.deleted.update(str(p) for p in d.get("prompt_ids", []))
+        elif t == "delete" and isinstance(d.get("prompt_ids"), list):
+            self.deleted.update(str(p) for p in d["prompt_ids"])
 
-    async def _heartbeat(self, exchange: Any) -> None:
-        aio_pika = broker.amqp()
+    def runnable(self) -> list[str]:
+        """The known sets whose model files this worker holds (it takes prompts of these only)."""
+        return sorted(k for k, models in self.sets.items() if can_run(models, self.files))
+
+    async def _heartbeat(self, channel: Any, exchange: Any) -> None:
         while True:
-            await exchange.publish(aio_pika.Message(json.dumps({
-                "type": "worker", "id": self.ident, "holds": self.holds(), "busy": self.busy,
-                "loads": self.loads(), "taken": self.taken, "resident": self.resident}).encode()), "")
+            body = json.dumps({"type": "worker", "id": self.ident, "holds": self.holds(), "busy": self.busy,
+                               "loads": self.loads(), "taken": self.taken, "resident": self.resident,
+                               "can": self.runnable(), "token": self.token}).encode()
+            await broker.publish(channel, self.signer, "", body, exchange=exchange)
             await asyncio.sleep(HEARTBEAT)
 
-    async def _take(self, channel: Any, key: str, queues: dict[str, Any], held: list[str]) -> None:
-        """Up to max_batch prompts of set `key`, handed to the Worker thread as one batch."""
+    async def _take(self, key: str | None, queues: dict[str, Any], held: list[str]) -> None:
+        """Up to max_batch prompts of set `key`, handed to the Worker thread as one batch. A prompt delivered before
+        (its worker stopped while running it) runs alone: first, a redelivered one kept from an earlier take."""
+        messages: list[tuple[str, Any]] = []
+        if self.solo:
+            messages.append(self.solo.pop(0))
+        elif key is not None:
+            while len(messages) < self.max_batch:
+                m = await queues[key].get(no_ack=False, fail=False)
+                if m is None:
+                    break
+                if tries(m):  # alone: now when it comes first, else next
+                    (self.solo if messages else messages).append((key, m))
+                    break
+                messages.append((key, m))
         items = []
-        while len(items) < self.max_batch:
-            m = await queues[key].get(no_ack=False, fail=False)
-            if m is None:
-                break
-            try:
-                d = broker.json_body(m)
-                pid = str(d["prompt_id"])
-                item = (d["number"], pid, keyed_outputs(d["prompt"], pid, self.engine.nodes), d["extra_data"],
-                        d["outputs"])
-            except (ValueError, KeyError, TypeError) as e:
-                log.error("a message in %s is not a prompt (%s); dropped", broker.SET_QUEUE + key, e)
-                await m.reject(requeue=False)
-                continue
-            if pid in self.deleted or "/" in pid or pid in (".", ".."):
-                await m.ack()
-                continue
-            folder = self.engine.folders.output / pid
-            if folder.exists():  # an earlier attempt's files (a worker that was killed): written again from scratch
-                await asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, folder, True)
-            attempt = f"{self.ident}:{uuid.uuid4().hex[:8]}"
-            resident = key in held
-            self.deliveries[pid] = Delivery(m, m.reply_to or "", attempt, self.generation, key, resident)
-            self.routes[pid] = (m.reply_to or "", attempt, self.generation)
-            self.by_sid.setdefault(d["extra_data"].get("client_id"), set()).add(pid)
-            self.taken += 1
-            self.resident += resident
-            items.append(item)
+        for k, m in messages:
+            item = await self._admit(m, k, held)
+            if item is not None:
+                items.append(item)
         if len(self.routes) > 10000:  # forget the oldest routes (prompts long done)
             for p in list(self.routes)[:5000]:
                 self.routes.pop(p, None)
             self.by_sid = {s: {p for p in ps if p in self.routes} for s, ps in self.by_sid.items()}
         if items:
-            self.busy, self.last_used[key] = key, time.time()
-            log.info("taking %d prompt(s) of set %s (%s)", len(items), key, "held" if key in held else "not held")
+            k = messages[0][0]
+            self.busy, self.last_used[k] = k, time.time()
+            log.info("taking %d prompt(s) of set %s (%s)", len(items), k, "held" if k in held else "not held")
             self.queue.put_many(items)
+
+    async def _admit(self, m: Any, key: str, held: list[str]) -> Item | None:
+        """A message of set `key` as a queue item, once it is checked and its output folder claimed; None when it is
+        dropped (unsigned, altered, not a prompt: dead-lettered; deleted: acknowledged) or refused (told its client)."""
+        if not self._signed(m, broker.SET_QUEUE + key):
+            await m.reject(requeue=False)
+            return None
+        try:
+            d = broker.json_body(m)
+            pid = check_prompt_id(d["prompt_id"])
+            if not isinstance(d["prompt"], dict) or not isinstance(d["extra_data"], dict):
+                raise TypeError("prompt and extra_data must be objects")
+            item = (d["number"], pid, keyed_outputs(d["prompt"], pid, self.engine.nodes), d["extra_data"],
+                    d["outputs"])
+            reply_to = str(m.reply_to or "")
+            if not reply_to.startswith(broker.FRONTEND_QUEUE):
+                raise ValueError(f"reply_to {reply_to[:80]!r} is not a frontend's queue")
+            unsafe = unsafe_prefix(d["prompt"], self.engine.nodes)
+        except (ValueError, KeyError, TypeError) as e:  # BadId is a ValueError
+            log.error("a message in %s is not a prompt (%s); dead-lettered", broker.SET_QUEUE + key, e)
+            await m.reject(requeue=False)
+            return None
+        if pid in self.deleted:
+            await m.ack()
+            return None
+        attempt = f"{self.ident}:{uuid.uuid4().hex[:8]}"
+        if unsafe:
+            self._refuse(m, (d["number"], pid, d["prompt"], d["extra_data"], d["outputs"]), reply_to, attempt, unsafe)
+            return None
+        try:  # an earlier attempt's files (a worker that was killed) go; a folder we did not make is left alone
+            await asyncio.get_running_loop().run_in_executor(None, claim, self.engine.folders.output, pid)
+        except (NotOurs, BadId, OSError) as e:
+            self._refuse(m, (d["number"], pid, d["prompt"], d["extra_data"], d["outputs"]), reply_to, attempt, str(e))
+            return None
+        resident = key in held
+        self.deliveries[pid] = Delivery(m, reply_to, attempt, self.generation, key, resident)
+        self.routes[pid] = (reply_to, attempt, self.generation)
+        sid = d["extra_data"].get("client_id")
+        self.by_sid.setdefault(sid, set()).add(pid)
+        self.taken += 1
+        self.resident += resident
+        n = tries(m)
+        if n:  # its client hears why it starts again before its second execution_start
+            why = (f"prompt {pid} runs again, alone (try {n + 1} of at most {broker.TRIES}): the worker running it "
+                   "stopped before it finished")
+            log.warning("%s", why)
+            self._send("event", reply_to, json.dumps({"kind": "vramgraph.retry", "sid": sid, "attempt": attempt,
+                                                      "data": {"prompt_id": pid, "try": n + 1, "tries": broker.TRIES,
+                                                               "message": why}}).encode(), self.generation)
+        return item
+
+    def _refuse(self, m: Any, item: Item, reply_to: str, attempt: str, why: str) -> None:
+        """End prompt `item` with an error its client sees (execution_error, a /history entry); the message is
+        acknowledged once the broker has the result."""
+        pid = item[1]
+        log.warning("prompt %s refused: %s", pid, why)
+        error = {"prompt_id": pid, "node_id": "", "node_type": "", "executed": [], "exception_message": why,
+                 "exception_type": "PromptRefused", "traceback": [], "current_inputs": {}, "current_outputs": {},
+                 "timestamp": _now_ms()}
+        sid = item[3].get("client_id")
+        self._send("event", reply_to, json.dumps({"kind": "execution_error", "data": error, "sid": sid,
+                                                  "attempt": attempt}).encode(), self.generation)
+        body = {"prompt_id": pid, "attempt": attempt, "worker": self.ident, "resident": False, "set": "",
+                "loads": self.loads(), "entry": _entry(item, {}, False, [["execution_error", error]], {})}
+        self._send("result", reply_to, json.dumps(body, default=str).encode(), self.generation, persistent=True,
+                   ack=m)
 
     async def _serve(self, conn: Any, closed: asyncio.Event) -> None:
         channel = await conn.channel(publisher_confirms=True)
         fleet = await broker.fleet_exchange(channel)
+        await broker.declare_dead(channel)
         news = await channel.declare_queue("", exclusive=True, auto_delete=True)
         await news.bind(fleet)
         await news.consume(self._news, no_ack=True)
@@ -313,11 +398,11 @@ class FleetWorker:
         generation = self.generation
         self._outbox, self._replies = asyncio.Queue(), set()
         tasks = [asyncio.create_task(self._publisher(channel, generation)),
-                 asyncio.create_task(self._heartbeat(fleet))]
+                 asyncio.create_task(self._heartbeat(channel, fleet))]
         queues: dict[str, Any] = {}
         catalog_at = 0.0
         self.channel = channel
-        log.info("worker %s connected to the broker %s", self.ident, broker._safe(self.url))
+        log.info("worker %s connected to the broker %s", self.ident, self.text(self.url))
         try:
             while not closed.is_set():
                 for t in tasks:
@@ -325,14 +410,20 @@ class FleetWorker:
                         t.result()  # a failed publisher or heartbeat: reconnect
                 now = time.monotonic()
                 if now - catalog_at > CATALOG_EVERY:
-                    self.sets.update(await broker.read_catalog(channel))
+                    self.sets.update(await broker.read_catalog(channel, self.signer))
                     catalog_at = now
+                if now - self.files_at > FILES_EVERY:
+                    self.files = await asyncio.get_running_loop().run_in_executor(None, held_files, self.engine.folders)
+                    self.files_at = now
                 if self.queue.remaining():
                     await asyncio.sleep(POLL / 2)
                     continue
                 self.busy = None
+                if self.solo:
+                    await self._take(None, queues, self.holds())
+                    continue
                 counts = {}
-                for key in list(self.sets):
+                for key in self.runnable():  # sets whose files it lacks wait for a worker that has them
                     if key not in queues:
                         queues[key] = await broker.declare_prompts(channel, key)
                     counts[key] = (await queues[key].declare()).message_count
@@ -350,18 +441,19 @@ class FleetWorker:
                 if key is None:
                     await asyncio.sleep(POLL)
                     continue
-                await self._take(channel, key, queues, held)
+                await self._take(key, queues, held)
         finally:
             for t in tasks:
                 t.cancel()
             self.channel = None
             self.generation += 1  # whatever is still in the outbox is not sent on another connection
+            self.solo.clear()  # unacknowledged on the connection that went: redelivered
             if self.deliveries:  # unacknowledged: the broker redelivers them; stop running them here
                 log.warning("lost the broker while running %d prompt(s): stopping them (they are redelivered)",
                             len(self.deliveries))
                 self.deliveries.clear()
                 self.queue.wipe()
-                self.worker.interrupt(None)
+                self.worker.interrupt_all()
 
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -372,7 +464,8 @@ class FleetWorker:
                 try:
                     conn = await broker.connect(self.url)
                 except Exception as e:
-                    log.warning("broker %s unreachable (%s); retrying in %.1f s", broker._safe(self.url), e, delay)
+                    log.warning("broker %s unreachable (%s); retrying in %.1f s", self.text(self.url), self.text(e),
+                                delay)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, broker.BACKOFF[1])
                     continue
@@ -384,7 +477,7 @@ class FleetWorker:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    log.warning("broker %s: %s: %s; reconnecting", broker._safe(self.url), type(e).__name__, e)
+                    log.warning("broker %s: %s: %s; reconnecting", self.text(self.url), type(e).__name__, self.text(e))
                     await asyncio.sleep(delay)
                 finally:
                     with contextlib.suppress(Exception):
@@ -403,18 +496,22 @@ def run_in_thread(worker: FleetWorker) -> threading.Thread:
 def work(args: argparse.Namespace) -> int:
     """`vramgraph worker`: the engine from the command line's options, consuming until Ctrl-C."""
     from ..graph.engine.runtime import engine_from
+    from .signing import signer
 
     broker.amqp()
     broker.check_url(args.broker)
     if args.max_batch < 1 or not args.steal_after >= 0 or not args.grace >= 0:
         raise ValueError(f"--max-batch {args.max_batch} --steal-after {args.steal_after} --grace {args.grace}: give a "
                          "batch of at least 1 prompt and waits of 0 seconds or more")
+    if args.id is not None:
+        check_prompt_id(args.id, "--id")  # a file name in the shared output folder (its handshake)
+    keys = signer(getattr(args, "broker_secret_file", None))
     engine = engine_from(args)
     for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
         folder.mkdir(parents=True, exist_ok=True)
     engine.warm_up()
-    fleet = FleetWorker(engine, args.broker, ident=args.id, max_batch=args.max_batch, steal_after=args.steal_after,
-                        grace=args.grace)
+    fleet = FleetWorker(engine, args.broker, signer=keys, ident=args.id, max_batch=args.max_batch,
+                        steal_after=args.steal_after, grace=args.grace)
     log.info("vramgraph worker %s (device %s, budget %.2f GiB), output %s", fleet.ident, engine.device,
              engine.budget.gpu / 2**30, engine.folders.output)
     try:
@@ -424,4 +521,4 @@ def work(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["FleetWorker", "choose", "keyed_outputs", "work"]
+__all__ = ["FleetWorker", "choose", "keyed_outputs", "tries", "work"]

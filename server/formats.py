@@ -61,6 +61,7 @@ def system_stats(engine: Any) -> dict:
     import torch
 
     from .. import __version__
+    from .signing import redact_argv
 
     ram_total, ram_free = _ram()
     dev = engine.device
@@ -83,7 +84,7 @@ def system_stats(engine: Any) -> dict:
                        # whatever templates are installed are the ones we serve: nothing newer is required
                        "installed_templates_version": templates, "required_templates_version": templates,
                        "python_version": sys.version,
-                       "pytorch_version": torch.__version__, "embedded_python": False, "argv": sys.argv,
+                       "pytorch_version": torch.__version__, "embedded_python": False, "argv": redact_argv(sys.argv),
                        "platform": platform.platform()},
             "devices": [device],
             "vramgraph": {"budget": engine.budget.to_json(), "dtype": engine.dtype}}

@@ -16,8 +16,10 @@ Interrupts: /interrupt with a running prompt's id stops that prompt alone. The w
 give up that prompt's output nodes (graph.engine.executor.Cancel): the nodes only they need leave the rest of the
 plan (the one running stops at its next progress report), the nodes other prompts need too (loaders, a
 shared encode) run on, and every other prompt of the batch finishes with the image it would have had. That
-prompt alone gets `execution_interrupted`. /interrupt without an id stops what is running, every incomplete
-prompt of the batch, as ComfyUI does. Prompts not yet taken stay in the queue, where /queue can delete them.
+prompt alone gets `execution_interrupted`. /interrupt without an id stops the prompt that is running, as
+ComfyUI does: in a batch, the one whose node runs now (the first of those sharing it); the batch's others go on.
+Prompts not yet taken stay in the queue, where /queue can delete them. Batch messages (`vramgraph.plan`, steps,
+estimates) and reports name only the receiving client's prompts.
 """
 
 from __future__ import annotations
@@ -204,6 +206,7 @@ class Worker:
         self._stopping: set[str] = set()  # taken prompts asked to stop (a targeted /interrupt)
         self._targets: dict[str, tuple[str, ...]] = {}  # running prompt -> its output nodes in the running graph
         self._cancel: Any = None  # the running graph's graph.engine.executor.Cancel
+        self._now: str | None = None  # the prompt of the batch whose node runs now (/interrupt without an id)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="vramgraph-worker", daemon=True)
@@ -219,12 +222,21 @@ class Worker:
     def status(self) -> dict:
         return {"exec_info": {"queue_remaining": self.queue.remaining()}}
 
+    def interrupt_all(self) -> None:
+        """Stop every prompt the worker is running (shutting down, a fleet worker that lost its broker)."""
+        self.engine.interrupt()
+
     def interrupt(self, prompt_id: str | None = None) -> bool:
-        """/interrupt: without an id, stop what is running; with a running prompt's id, stop that prompt alone
-        (see the module doc). False when that prompt is not running (pending, finished, unknown: nothing stops)."""
+        """/interrupt: with a running prompt's id, stop that prompt alone; without, the prompt that is running (in a
+        batch, the one whose node runs now; the others go on), as ComfyUI does (see the module doc). False when
+        nothing stops (that prompt is pending, finished or unknown)."""
         if prompt_id is None:
-            self.engine.interrupt()
-            return True
+            with self._lock:
+                live = [p for p in self._targets if p in self.queue.running]
+                prompt_id = (self._now if self._now in live else live[0]) if len(live) > 1 else None
+            if prompt_id is None:
+                self.engine.interrupt()
+                return True
         with self._lock:
             if prompt_id not in self.queue.running:
                 return False
@@ -244,7 +256,7 @@ class Worker:
         """One prompt of the running graph is over (or, with None, the whole graph)."""
         with self._lock:
             if pid is None:
-                self._cancel, self._targets = None, {}
+                self._cancel, self._targets, self._now = None, {}, None
             else:
                 self._targets.pop(pid, None)
 
@@ -410,7 +422,7 @@ class Worker:
             for item in items:
                 self.execute(item)
             return
-        batch_id, pids = uuid.uuid4().hex, [i[1] for i in items]
+        batch_id = uuid.uuid4().hex
         planned = set(prep.plan.order)
         members = [_Member(k, item, dict(rename), self._wants_previews(item[3]), {n for n in rename.values()
                                                                                   if n in planned})
@@ -430,8 +442,11 @@ class Worker:
         moves = {"load": 0, "unload": 0}
         t0 = time.perf_counter()
 
+        def own(sid: str | None) -> list[str]:  # the prompts of the batch a message to client `sid` may name
+            return [m.pid for m in members if m.sid == sid]
+
         def about(m: _Member) -> dict:
-            return {"batch": {"id": batch_id, "prompt_ids": pids, "index": m.index}, "members": m.rename}
+            return {"batch": {"id": batch_id, "prompt_ids": own(m.sid), "index": m.index}, "members": m.rename}
 
         def report(m: _Member, result: Any = None) -> dict:
             if result is not None:
@@ -468,9 +483,10 @@ class Worker:
                 names = {str(i[3].get("workflow_name") or "") for i in items}
                 svg = timeline_svg(prep.plan, names.pop() if len(names) == 1 else "", card=self.engine.budget.card,
                                    prompt=prep.prompt)
-                for sid, first in _clients(members).items():
-                    plan_messages[sid] = {"prompt_id": first.pid, "prompt_ids": pids, "batch": batch_id,
-                                          "members": {m.pid: m.rename for m in members}, "plan": plan_json,
+                for sid, first in _clients(members).items():  # each client hears of its own prompts only
+                    plan_messages[sid] = {"prompt_id": first.pid, "prompt_ids": own(sid), "batch": batch_id,
+                                          "members": {m.pid: m.rename for m in members if m.sid == sid},
+                                          "plan": plan_json,
                                           "timeline": timeline, "svg": svg}
                     self.hub.send_threadsafe("vramgraph.plan", plan_messages[sid], sid)
                 follow(members[0], None)
@@ -492,6 +508,8 @@ class Worker:
                     follow(m, orig)
                     self._send(m, "executing", {"node": orig, "display_node": orig, "prompt_id": m.pid})
                     self._send(m, "progress_state", m.progress.start(orig))
+                with self._lock:
+                    self._now = next((m.pid for m, _ in running(node)), self._now)
             elif kind == "progress":
                 for m, orig in running(node):
                     self._send(m, "progress", {**data, "node": orig, "prompt_id": m.pid})
@@ -534,16 +552,16 @@ class Worker:
             elif kind == "vg_estimate_exceeded":
                 for sid, first in _clients([m for m, _ in running(node)]).items():
                     self.hub.send_threadsafe("vramgraph.estimate", {**data, "prompt_id": first.pid, "node": next(
-                        orig for m, orig in running(node) if m is first), "prompt_ids": pids}, sid)
+                        orig for m, orig in running(node) if m is first), "prompt_ids": own(sid)}, sid)
             elif kind == "vg_replan":
                 for sid, first in _clients([m for m in members if not m.done]).items():
-                    self.hub.send_threadsafe("vramgraph.replan", {**data, "prompt_id": first.pid, "prompt_ids": pids},
-                                             sid)
+                    self.hub.send_threadsafe("vramgraph.replan", {**data, "prompt_id": first.pid,
+                                                                  "prompt_ids": own(sid)}, sid)
             elif kind == "vg_step":
                 moves[data["kind"]] = moves.get(data["kind"], 0) + 1
                 for sid, first in _clients([m for m in members if not m.done]).items():
-                    self.hub.send_threadsafe("vramgraph.step", {**data, "prompt_id": first.pid, "prompt_ids": pids},
-                                             sid)
+                    self.hub.send_threadsafe("vramgraph.step", {**data, "prompt_id": first.pid,
+                                                                "prompt_ids": own(sid)}, sid)
             elif kind == "preview":
                 wanted = [m for m, _ in running(node) if m.previews]
                 if wanted:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-import itertools
 import logging
-import os
 import threading
 import time
 import uuid
@@ -16,11 +14,12 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from ..nodes.images import ImageTooLarge, open_image
 from . import formats
 from .bodies import BadRequest, id_list, json_error, prompt_request, read_json, read_object, sane_id
 from .hub import MAX_INCOMING, Hub, dumps, without_paths
 from .queue import PromptQueue, Worker
-from .security import uploaded_image_format, view_headers
+from .security import save_upload, uploaded_image_format, view_headers
 
 log = logging.getLogger("vramgraph.server")
 ROOT = Path(__file__).parent.parent
@@ -45,13 +44,14 @@ def _inside(root: Path, *parts: str) -> Path | None:
     return path if path == base or path.is_relative_to(base) else None
 
 
-def _preview(path: Path, fmt: str, quality: int) -> bytes | None:
-    """The image at `path` re-encoded as webp or jpeg (in a worker thread), or None when it is not an image."""
+def _preview(path: Path, fmt: str, quality: int, max_pixels: int) -> bytes | None:
+    """The image at `path` re-encoded as webp or jpeg (in a worker thread), or None when it is not an image (or one
+    of more than `max_pixels` pixels, refused before decoding)."""
     from PIL import Image
 
     buf = io.BytesIO()
     try:
-        with Image.open(path) as im:
+        with open_image(path, max_pixels) as im:
             (im.convert("RGB") if fmt == "jpeg" or im.mode not in ("RGB", "RGBA", "L") else im).save(
                 buf, format=fmt, quality=quality)
     except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError, TypeError, KeyError,
@@ -208,7 +208,8 @@ class Routes:
             level = int(quality) if quality.isascii() and quality.isdigit() and len(quality) < 6 else 90
             if quality.isascii() and quality.isdigit() and level not in PREVIEW_QUALITY:
                 return _json_error(400, "preview quality must be 1 to 100", details=f"preview={fmt};<1..100>")
-            data = await asyncio.get_running_loop().run_in_executor(None, _preview, path, fmt, level)
+            data = await asyncio.get_running_loop().run_in_executor(None, _preview, path, fmt, level,
+                                                                    self.engine.folders.max_image_pixels)
             if data is None:
                 return _json_error(400, "this file is not an image that can be previewed", "not_an_image")
             return web.Response(body=data, content_type=f"image/{fmt}", headers={
@@ -251,19 +252,25 @@ class Routes:
         if folder is None or not subfolder.isprintable():
             return _json_error(400, "bad subfolder", details="a subfolder inside the input, output or temp folder")
         data = image.file.read()
-        if await asyncio.get_running_loop().run_in_executor(None, uploaded_image_format, data) is None:
+        loop = asyncio.get_running_loop()
+        try:
+            fmt = await loop.run_in_executor(None, uploaded_image_format, data, self.engine.folders.max_image_pixels)
+        except ImageTooLarge as e:
+            return _json_error(400, "the image is too large", "image_too_large", details=str(e))
+        if fmt is None:
             return _json_error(400, "only images can be uploaded", "invalid_image",
                                details=f"{filename[:100]!r} is not a PNG, JPEG, WebP, GIF, BMP or TIFF image")
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / filename
-        if str(post.get("overwrite") or "") not in ("true", "1"):
-            stem, suffix = os.path.splitext(filename)
-            for i in itertools.count(1):
-                if not path.exists() or path.read_bytes() == data:  # the same image again: keep the file it is
-                    break
-                path = folder / f"{stem} ({i}){suffix}"
-        if not path.exists() or path.read_bytes() != data:
-            path.write_bytes(data)
+        overwrite = str(post.get("overwrite") or "") in ("true", "1") and kind != "output"  # outputs are never replaced
+
+        def save() -> Path:
+            folder.mkdir(parents=True, exist_ok=True)
+            return save_upload(folder, filename, data, overwrite)
+
+        try:
+            path = await loop.run_in_executor(None, save)
+        except OSError as e:
+            return _json_error(400, "the image could not be saved there", "upload_failed",
+                               details=f"{type(e).__name__}: {e.strerror or e}; choose another name or subfolder")
         return web.json_response({"name": path.name, "subfolder": subfolder, "type": kind})
 
     async def interrupt(self, request: web.Request) -> web.Response:

@@ -14,23 +14,29 @@ By default (ComfyUI's origin-only middleware, made stricter in two places), a re
 /view serves only known image types inline; anything else (HTML, XHTML, JavaScript, CSS, SVG, text, ...)
 is an attachment, the active types as application/octet-stream, always with `X-Content-Type-Options:
 nosniff`, so a file written into input/ or output/ never runs as a page of the API's origin.
-Uploads are accepted when their content opens as an image of an allowed format (PIL), whatever the name says.
+Uploads are accepted when their content opens as an image of an allowed format (PIL), whatever the name says, and
+of at most the configured number of pixels (measured before decoding: an image bomb is refused, not survived).
+They never write through or over a link already in input/ (another name is used) and never replace a file in
+output/ (`overwrite` is honoured in input/ and temp/ only).
 """
 
 from __future__ import annotations
 
-import io
 import ipaddress
 import logging
 import mimetypes
+import os
 import re
 import socket
 import struct
 import urllib.parse
+import uuid
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from ..nodes.images import MAX_IMAGE_PIXELS, ImageTooLarge, open_image
 from .bodies import json_error
 
 log = logging.getLogger("vramgraph.server")
@@ -41,6 +47,7 @@ ACTIVE_TYPES = frozenset({"text/html", "application/xhtml+xml", "text/javascript
                           "text/css", "image/svg+xml", "application/xml", "text/xml", "application/ecmascript",
                           "text/ecmascript", "application/wasm", "text/html-sandboxed"})
 UPLOAD_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "MPO"})  # PIL format names
+MAX_NAME_TRIES = 10000  # "name (i).png" tried at most, for an upload whose name is taken
 
 
 # ------------------------------------------------------------------------------------------ origins
@@ -186,19 +193,59 @@ def view_headers(name: str) -> tuple[str, dict[str, str]]:
     return ("application/octet-stream" if active else guessed), headers
 
 
-def uploaded_image_format(data: bytes) -> str | None:
-    """The PIL format of `data` when it is a whole image of an allowed format (UPLOAD_FORMATS), else None."""
-    from PIL import Image
-
+def uploaded_image_format(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> str | None:
+    """The PIL format of `data` when it is a whole image of an allowed format (UPLOAD_FORMATS), else None. An image
+    of more than `max_pixels` pixels raises ImageTooLarge, before any pixel is decoded (nodes/images.py)."""
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with open_image(data, max_pixels, "the uploaded image") as im:
             fmt = im.format
             im.verify()
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, EOFError, TypeError, IndexError,
-            KeyError, ZeroDivisionError, MemoryError, struct.error):  # what PIL raises on hostile files
+    except ImageTooLarge:
+        raise
+    except (OSError, ValueError, SyntaxError, EOFError, TypeError, IndexError, KeyError, ZeroDivisionError,
+            MemoryError, struct.error):  # what PIL raises on hostile files (a bomb's DecompressionBombError too)
         return None
     return fmt if fmt in UPLOAD_FORMATS else None
 
 
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether the regular file at `path` (never through a link) holds exactly `data`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        return os.fstat(f.fileno()).st_size == len(data) and f.read() == data
+
+
+def save_upload(folder: Path, name: str, data: bytes, overwrite: bool, reuse: bool = True) -> Path:
+    """Write `data` as `folder/name` and return where it went. A link there is never followed nor replaced, nor
+    anything but a regular file: the next free name `stem (i).ext` is used instead, as for a taken name without
+    `overwrite`; with `reuse`, a file that already holds `data` is kept as it is. Written to a temporary name and
+    renamed."""
+    stem, suffix = os.path.splitext(name)
+    for i in range(MAX_NAME_TRIES):
+        path = folder / (name if i == 0 else f"{stem} ({i}){suffix}")
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            continue
+        if not path.exists() or overwrite or (reuse and _holds(path, data)):
+            break
+    else:
+        raise OSError(f"no free name for {name!r} after {MAX_NAME_TRIES} tries")
+    if reuse and path.is_file() and not path.is_symlink() and _holds(path, data):
+        return path
+    part = folder / f".{uuid.uuid4().hex}.part"
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        if path.is_symlink():  # appeared meanwhile: left alone
+            raise OSError(f"{name!r} became a link while it was written")
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+    return path
+
+
 __all__ = ["ACTIVE_TYPES", "INLINE_TYPES", "UPLOAD_FORMATS", "cors", "loopback_name", "middlewares",
-           "origin_only", "origin_problem", "uploaded_image_format", "view_headers"]
+           "origin_only", "origin_problem", "save_upload", "uploaded_image_format", "view_headers"]

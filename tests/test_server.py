@@ -648,7 +648,8 @@ def test_queued_prompts_run_as_one_batch(folders):
         again, _, again_pids = asyncio.run(_run_queued(srv.url, bodies, engine._lock.release))
         assert wait_history(srv.url, blocker["prompt_id"])["status"]["status_str"] == "success"
         again_history = {pid: wait_history(srv.url, pid) for pid in again_pids}
-    assert [m["data"]["prompt_ids"] for m in again["batch-a"] if m["type"] == "vramgraph.plan"] == [again_pids]
+    assert [m["data"]["prompt_ids"] for m in again["batch-a"] if m["type"] == "vramgraph.plan"] == \
+        [[again_pids[0], again_pids[2]]], "one batch; a client hears of its own prompts only"
     for i, pid in enumerate(again_pids):
         seq = [m for c in again.values() for m in c if m["type"] != "status" and m["data"].get("prompt_id") == pid]
         cached = [m["data"]["nodes"] for m in seq if m["type"] == "execution_cached"]
@@ -668,8 +669,8 @@ def test_queued_prompts_run_as_one_batch(folders):
     mine = {"batch-a": [pids[0], pids[2]], "batch-b": [pids[1]]}
     for client, own in mine.items():
         plans = [m["data"] for m in msgs[client] if m["type"] == "vramgraph.plan"]
-        assert len(plans) == 1 and plans[0]["prompt_ids"] == pids, "one merged plan for the batch"
-        assert sorted(plans[0]["members"]) == sorted(pids)
+        assert len(plans) == 1 and plans[0]["prompt_ids"] == own, "one merged plan, naming the client's prompts"
+        assert sorted(plans[0]["members"]) == sorted(own)
         assert {m["data"]["prompt_id"] for m in msgs[client] if m["type"] not in ("status",)} <= set(own)
         for pid in own:
             seq = [m for m in msgs[client] if m["type"] != "status" and m["data"].get("prompt_id") == pid]
@@ -699,7 +700,8 @@ def test_queued_prompts_run_as_one_batch(folders):
         assert entry["status"]["messages"][0][0] == "execution_start"
         assert entry["status"]["messages"][-1][0] == "execution_success"
         report = entry["vramgraph"]
-        assert report["batch"]["prompt_ids"] == pids and report["batch"]["index"] == i
+        assert report["batch"]["prompt_ids"] == (mine["batch-b"] if i == 1 else mine["batch-a"])
+        assert report["batch"]["index"] == i
         assert report["members"]["8"] == f"q{i}:8" and report["members"]["1"] == "q0:1"
         assert report["loads"] == 3 and report["plan"]["steps"] and "partial" not in report
 
@@ -854,13 +856,15 @@ def test_interrupting_one_image_of_a_batch(folders):
 
 
 def test_interrupting_a_batch(folders):
-    """/interrupt without a prompt id stops what is running: every prompt of the batch not complete yet."""
+    """/interrupt without a prompt id stops the prompt that is running, as ComfyUI does: in a batch, the one whose
+    node runs now; the batch's other prompts (queued by other users too) go on and finish."""
     from vramgraph.server.app import ROUTES, ServerThread, make_app
 
     app = make_app(tight_engine(folders), start_worker=False)
     with ServerThread(app) as srv:
-        pids = [post(srv.url, "/prompt", {"prompt": {"1": {"class_type": "TestSlow", "inputs": {"steps": 300 + i}}},
-                                          "prompt_id": f"slow-{i}"}).json()["prompt_id"] for i in range(3)]
+        pids = [post(srv.url, "/prompt", {"prompt": {"1": {"class_type": "TestSlow", "inputs": {"steps": n}}},
+                                          "prompt_id": f"slow-{i}"}).json()["prompt_id"]
+                for i, n in enumerate((1000, 3, 4))]
         app[ROUTES].worker.start()
         end = time.monotonic() + TIMEOUT
         while app[ROUTES].worker.last_node is None:  # the batch's first node is running
@@ -869,8 +873,8 @@ def test_interrupting_a_batch(folders):
         assert [e[1] for e in requests.get(srv.url + "/queue", timeout=10).json()["queue_running"]] == pids
         assert requests.post(srv.url + "/interrupt", json={}, timeout=10).status_code == 200
         entries = [wait_history(srv.url, pid) for pid in pids]
-    for entry in entries:
-        assert entry["status"]["status_str"] == "error"
-        assert entry["status"]["messages"][-1][0] == "execution_interrupted"
-    assert entries[0]["status"]["messages"][-1][1]["node_id"] == "1"
-    assert [e["status"]["messages"][-1][1]["prompt_id"] for e in entries] == pids
+    assert [e["status"]["status_str"] for e in entries] == ["error", "success", "success"]
+    kind, data = entries[0]["status"]["messages"][-1]
+    assert kind == "execution_interrupted" and data["prompt_id"] == pids[0] and data["node_id"] == "1"
+    assert [e["outputs"] for e in entries[1:]] == [{"1": {"text": ["3"]}}, {"1": {"text": ["4"]}}]
+    assert entries[1]["vramgraph"]["batch"]["prompt_ids"] == pids, "one batch"

@@ -175,6 +175,10 @@ class NodeContext:
     def resolve(self, folder: str, name: str) -> Path:
         return self.engine.folders.resolve(folder, name)
 
+    @property
+    def max_image_pixels(self) -> int:
+        return self.engine.folders.max_image_pixels
+
     def progress(self, value: int, total: int) -> None:
         self.check_interrupted()
         self._events("progress", {"node": self.node, "value": value, "max": total})

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CONFIG_KEYS = ("models", "extra_model_paths", "input", "output", "temp", "vram", "reserve")
+CONFIG_KEYS = ("models", "extra_model_paths", "input", "output", "temp", "vram", "reserve", "max_image_pixels",
+               "front_end", "user_dir")
 CONFIG_PLACES = (Path("vramgraph.json"), Path.home() / ".config" / "vramgraph" / "config.json")
 MODEL_SUBFOLDERS = ("diffusion_models", "unet", "text_encoders", "clip", "vae", "checkpoints", "diffusers")
 DEMO_FOLDER = Path("vramgraph-demo")
@@ -137,11 +138,21 @@ def folders_from(settings: Any) -> Any:
     return Folders(models=models, input=Path(s.input or cfg.get("input", "input")).expanduser(),
                    output=output, temp=Path(cfg.get("temp", output / "temp")).expanduser(),
                    checkpoints=tuple(Path(c).expanduser() for c in s.checkpoints),
-                   extra=tuple(s.extra_folders) + extra_paths(yamls, models))
+                   extra=tuple(s.extra_folders) + extra_paths(yamls, models), max_image_pixels=image_cap(cfg))
 
 
 def _listed(value: Any) -> list:
     return [] if value is None else [value] if isinstance(value, str | Path) else list(value)
+
+
+def image_cap(cfg: dict) -> int:
+    """The config's "max_image_pixels" (nodes/images.py), checked; the default when it is not set."""
+    from ...nodes.images import MAX_IMAGE_PIXELS
+
+    cap = cfg.get("max_image_pixels", MAX_IMAGE_PIXELS)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"config: \"max_image_pixels\" {cap!r} must be a whole number of pixels, e.g. 33554432")
+    return cap
 
 
 def parse_device(text: str | None) -> Any:

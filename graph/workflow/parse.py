@@ -137,11 +137,11 @@ def _from_png(path: Path, nodes: Mapping[str, type] | None) -> Workflow:
     """The workflow a PNG carries, as ComfyUI (and our SaveImage) writes it: text chunks `prompt` (API format, what
     ran) and `workflow` (UI format, what the front end showed). The prompt is run when there is one; the UI
     workflow is kept for the PNGs this run writes."""
-    from PIL import Image
+    from ...nodes.images import MAX_IMAGE_PIXELS, open_image
 
     name = str(path)
-    try:
-        with Image.open(path) as im:
+    try:  # PIL decodes the picture to reach text chunks written after it: a bomb is refused first (nodes/images.py)
+        with open_image(path, MAX_IMAGE_PIXELS, f"the PNG {path.name}") as im:
             text = dict(getattr(im, "text", {}) or {})
     except (OSError, SyntaxError, ValueError) as e:
         raise WorkflowFormatError(f"cannot read the PNG {name} ({e})", "give a PNG saved by ComfyUI or vramgraph",

@@ -59,6 +59,18 @@ class StepOptions:
             raise ValueError(f"unknown compile setting {self.compile!r}; use one of {', '.join(COMPILE)}")
 
 
+    @classmethod
+    def from_env(cls) -> StepOptions:
+        """From $VRAMGRAPH_ATTENTION and $VRAMGRAPH_COMPILE (unset: "auto"); an unknown value raises ValueError
+        naming the variable and the values it takes."""
+        att, comp = os.environ.get("VRAMGRAPH_ATTENTION", "auto"), os.environ.get("VRAMGRAPH_COMPILE", "auto")
+        if att not in ATTENTION:
+            raise ValueError(f"VRAMGRAPH_ATTENTION={att!r}: use one of {', '.join(ATTENTION)}")
+        if comp not in COMPILE:
+            raise ValueError(f"VRAMGRAPH_COMPILE={comp!r}: use one of {', '.join(COMPILE)}")
+        return cls(att, comp)
+
+
 PLAIN = StepOptions(attention="sdpa", compile="off")
 
 
@@ -231,6 +243,14 @@ def _trial_forward(model: nn.Module, shape: StepShape) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _root_cause(e: BaseException) -> str:
+    """'Type: first line' of the innermost cause (a backend's own error, not dynamo's wrapper around it)."""
+    while (inner := getattr(e, "inner_exception", None) or e.__cause__) is not None:
+        e = inner
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:160]}" if lines else type(e).__name__
+
+
 def _compile(model: nn.Module, shape: StepShape, key: str, folder: Path, backend: str) -> tuple[float, str | None]:
     """Compile the blocks for `shape` with inductor's cache in `folder`; (seconds, None) or (0.0, why not)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
@@ -240,7 +260,7 @@ def _compile(model: nn.Module, shape: StepShape, key: str, folder: Path, backend
         _trial_forward(model, shape)
     except Exception as e:  # any compile failure (no compiler, no Triton, a dynamo error): the plain path instead
         set_compiled(model, False)
-        return 0.0, f"torch.compile ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+        return 0.0, f"torch.compile ({_root_cause(e)})"
     seconds = time.perf_counter() - t0
     try:
         CompileLedger(folder).record(key, seconds)
@@ -264,8 +284,12 @@ def prepare(model: nn.Module, shape: StepShape, options: StepOptions, passes: in
             unavailable.append(f"{options.attention} attention (no CUDA device)")
         attention = "sdpa"
     elif attention == "auto":
-        attention, attention_s, missing = pick_attention(dev, model.dtype, shape.batch, model.cfg.heads,
-                                                         shape.tokens, model.cfg.head_dim)
+        picks = model.__dict__.setdefault("_vg_attention", {})  # per model and shape: timed once
+        key = (shape.batch, shape.tokens, model.dtype)
+        if key not in picks:
+            picks[key] = pick_attention(dev, model.dtype, shape.batch, model.cfg.heads, shape.tokens,
+                                        model.cfg.head_dim)
+        attention, attention_s, missing = picks[key]
         unavailable += [f"{m} attention" for m in missing]
     elif attention != "sdpa":
         _, _, missing = pick_attention(dev, model.dtype, 1, model.cfg.heads, 256, model.cfg.head_dim, (attention,))
@@ -273,12 +297,15 @@ def prepare(model: nn.Module, shape: StepShape, options: StepOptions, passes: in
             unavailable.append(f"{attention} attention")
             attention = "sdpa"
     set_attention(model, attention)
+    unavailable += _fp8_unavailable(model, dev)
     compiled, compile_s = False, 0.0
-    want = _want_compile(model, shape, options, passes, plain_step_s, attention, unavailable)
-    if want:
+    if options.compile != "off" and _is_compiled(model) and model.__dict__.get("_vg_compiled_for") == attention:
+        compiled = True  # compiled by an earlier job (paid for): kept
+    elif _want_compile(model, shape, options, passes, plain_step_s, attention, unavailable):
         folder = Path(options.cache_dir) if options.cache_dir else default_cache_dir()
         compile_s, why = _compile(model, shape, compile_key(model, attention), folder, backend)
         compiled = why is None
+        model.__dict__["_vg_compiled_for"] = attention if compiled else None
         if why:
             unavailable.append(why)
     elif _is_compiled(model):
@@ -286,6 +313,17 @@ def prepare(model: nn.Module, shape: StepShape, options: StepOptions, passes: in
     if unavailable:
         log.info("sampling step: plain path for %s", "; ".join(unavailable))
     return Prepared(attention, compiled, compile_s, tuple(unavailable), attention_s)
+
+
+def _fp8_unavailable(model: nn.Module, dev: torch.device) -> list[str]:
+    """An fp8 model whose layers ask for fp8 matmuls on a device without them dequantizes: say so."""
+    from .fp8 import FP8Linear, fp8_matmul_supported
+
+    asks = any(isinstance(m, FP8Linear) and m.compute != "dequant" for m in model.modules())
+    if asks and not fp8_matmul_supported(dev):
+        return ["fp8 matmuls (need CUDA compute capability 8.9+; fp8 weights dequantized to "
+                f"{str(model.dtype).removeprefix('torch.')} instead)"]
+    return []
 
 
 def _is_compiled(model: nn.Module) -> bool:

@@ -1,0 +1,143 @@
+"""The sampling step's levers (models/step.py) and their fallbacks on the CPU, the FLOP count, fp8 per-row scales."""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import logging
+
+import pytest
+import torch
+
+from vramgraph.models import flux2, flux2_config, fp8, step
+from vramgraph.models.sampling import sample
+from vramgraph.models.tiny import TINY_TRANSFORMER
+
+CFG = dataclasses.replace(TINY_TRANSFORMER, depth_double=2, depth_single=2)
+
+
+def _model() -> flux2.Flux2Transformer:
+    torch.manual_seed(0)
+    return flux2.Flux2Transformer(CFG).eval().requires_grad_(False)
+
+
+def _inputs(batch: int = 2, h: int = 4, w: int = 4, t: int = 8) -> tuple:
+    g = torch.Generator().manual_seed(1)
+    img = torch.randn(batch, h * w, CFG.in_channels, generator=g)
+    txt = torch.randn(batch, t, CFG.context_dim, generator=g)
+    rope = flux2.rope_table(CFG, torch.cat([flux2.text_ids(t), flux2.image_ids(h, w)]))
+    return img, txt, torch.full((batch,), 0.6), rope
+
+
+def test_doctests() -> None:
+    for mod in (flux2_config, step):
+        assert doctest.testmod(mod).failed == 0
+
+
+def test_flop_count_from_shapes() -> None:
+    """By hand for a tiny shape: every token passes 13 h² weights per block, attention 4 S² h per block."""
+    cfg = dataclasses.replace(CFG, hidden=8, heads=2, head_dim=4, in_channels=4, context_dim=6, time_dim=2)
+    f = flux2_config.step_flop(cfg, 10, 3)
+    h, s, blocks = 8, 13, 4
+    assert f.attention == 4 * s * s * h * blocks
+    embed = 2 * (10 * 4 * h + 3 * 6 * h + 10 * h * 4) + 2 * (2 * h + h * h + 15 * h * h + 2 * h * h)
+    assert f.linear == 2 * s * blocks * 13 * h * h + embed
+    assert flux2_config.step_flop(cfg, 10, 3, batch=2).total == 2 * f.total
+    big = flux2_config.step_flop(flux2.KLEIN_9B, 4096, 512)
+    assert 2.0 < big.total / flux2_config.step_flop(flux2.KLEIN_4B, 4096, 512).total < 2.3
+
+
+def test_compile_pays_by_predicted_seconds() -> None:
+    assert not step.compile_pays(4, 0.085, step.COMPILE_COLD_S)  # a one-image distilled job stays eager
+    assert not step.compile_pays(40, 0.09, step.COMPILE_WARM_S)  # 20 steps CFG at 1024²: warm compile is too dear
+    assert step.compile_pays(10_000, 0.09, step.COMPILE_COLD_S)  # a long queue pays even a cold compile
+
+
+def test_cpu_falls_back_to_plain_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    m = _model()
+    x = _inputs()
+    ref = m(*x)
+    with caplog.at_level(logging.INFO, logger="vramgraph.models.step"):
+        got = step.prepare(m, step.StepShape(2, 16, 8), step.StepOptions(attention="cudnn", compile="auto"), 100)
+    assert got.attention == "sdpa" and not got.compiled
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1
+    assert "cudnn attention (no CUDA device)" in lines[0] and "torch.compile (no CUDA device)" in lines[0]
+    assert all(b.attend is None for b in m.streamed_blocks())
+    assert torch.equal(m(*x), ref)
+
+
+def test_fp8_without_fp8_matmuls_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A layer asking for scaled matmuls on a device without them dequantizes, and prepare names it."""
+    m = _model()
+    lin = m.single_blocks[0].linear2
+    q = fp8.FP8Linear(lin.in_features, lin.out_features, torch.float8_e4m3fn, torch.float32, weight_scale=True,
+                      input_scale=False, compute="rowwise")
+    q.weight.data = lin.weight.to(torch.float8_e4m3fn)
+    m.single_blocks[0].linear2 = q
+    with caplog.at_level(logging.INFO, logger="vramgraph.models.step"):
+        step.prepare(m, step.StepShape(1, 16, 8), step.StepOptions(compile="off"), 4)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "fp8 matmuls" in line and "dequantized" in line
+    x = torch.randn(3, lin.in_features)
+    assert torch.allclose(q(x), torch.nn.functional.linear(x, q.dequantized()))
+
+
+def test_compiled_blocks_compute_the_same(tmp_path) -> None:
+    """compile "on" (dynamo with the eager backend on the CPU: the same graph capture, no C++ build): one graph per
+    block class serves both sizes; the output is the plain path's; the ledger records the compile."""
+    m = _model()
+    opts = step.StepOptions(compile="on", cache_dir=str(tmp_path))
+    got = step.prepare(m, step.StepShape(2, 16, 8), opts, 4, backend="eager")
+    assert got.compiled and got.compile_s > 0
+    assert len(step.CompileLedger(tmp_path).read()) == 1
+    x, x2 = _inputs(), _inputs(h=6, w=6)
+    with torch.no_grad():
+        y, y2 = m(*x), m(*x2)
+    step.set_compiled(m, False)
+    assert not step._is_compiled(m)
+    with torch.no_grad():
+        assert torch.allclose(y, m(*x), atol=1e-5) and torch.allclose(y2, m(*x2), atol=1e-5)
+
+
+def test_compile_failure_falls_back(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(gm, example_inputs):  # a backend that cannot build what it is given
+        raise RuntimeError("no C compiler found")
+
+    m = _model()
+    x = _inputs()
+    ref = m(*x)
+    with caplog.at_level(logging.INFO, logger="vramgraph.models.step"):
+        got = step.prepare(m, step.StepShape(2, 16, 8), step.StepOptions(compile="on", cache_dir=str(tmp_path)), 4,
+                           backend=broken)
+    assert not got.compiled and not step._is_compiled(m)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "torch.compile" in line and "no C compiler found" in line
+    assert torch.equal(m(*x), ref)
+    assert step.CompileLedger(tmp_path).read() == {}
+
+
+def test_sampling_with_step_options_matches_plain() -> None:
+    m = _model()
+    latent = torch.randn(1, CFG.in_channels, 4, 4)
+    ctx, neg = torch.randn(1, 8, CFG.context_dim), torch.randn(1, 8, CFG.context_dim)
+    sig = [1.0, 0.6, 0.0]
+    plain = sample(m, latent, ctx, sig, negative=neg, guidance=3.0)
+    fast = sample(m, latent, ctx, sig, negative=neg, guidance=3.0, step=step.StepOptions())
+    assert torch.equal(plain, fast)
+
+
+def test_options_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VRAMGRAPH_COMPILE", "off")
+    assert step.StepOptions.from_env() == step.StepOptions(compile="off")
+    monkeypatch.setenv("VRAMGRAPH_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="VRAMGRAPH_ATTENTION='fast': use one of auto, sdpa, cudnn"):
+        step.StepOptions.from_env()
+
+
+def test_ledger_tolerates_a_broken_file(tmp_path) -> None:
+    led = step.CompileLedger(tmp_path)
+    (tmp_path / "compiled.json").write_text("{not json")
+    assert led.read() == {}
+    led.record("k", 12.3456)
+    assert led.read() == {"k": 12.346}

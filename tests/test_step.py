@@ -8,7 +8,6 @@ import logging
 
 import pytest
 import torch
-
 from vramgraph.models import flux2, flux2_config, fp8, step
 from vramgraph.models.sampling import sample
 from vramgraph.models.tiny import TINY_TRANSFORMER

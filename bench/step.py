@@ -152,14 +152,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def set_variant(model, name: str, shape: step.StepShape, cache: Path, backend: str) -> dict:
     """Put `model` in variant `name`; what it took (attention picked, compile seconds)."""
     info: dict = {}
-    fp8_compute = {"fp8_static": "scaled_mm", "fp8_rowwise": "rowwise", "fp8_fast": "rowwise"}.get(name)
+    fp8_compute = {"fp8_static": "scaled_mm", "fp8_rowwise": "rowwise", "fp8_fast": "rowwise",
+                   "fp8_fast_static": "scaled_mm"}.get(name)
     if fp8_compute:
         fp8.set_compute(model, fp8_compute)
     if name.startswith("attn_"):
         step.set_compiled(model, False)
         step.set_attention(model, name.removeprefix("attn_"))
         return info
-    fast = name in ("fast", "fp8_fast", "fast_static")
+    fast = name in ("fast", "fp8_fast", "fast_static", "fp8_fast_static")
     if not fast:
         step.set_compiled(model, False)
         step.set_attention(model, "sdpa")

@@ -35,11 +35,15 @@ ATTENTION = ("auto", "sdpa", "cudnn", "flash", "efficient")
 COMPILE = ("auto", "on", "off")
 _CANDIDATES = ("cudnn", "flash", "efficient")
 
-# Measured by bench/step.py (bench/results/step.json, see docs/step.md): a compiled step's time over the plain
-# step's, and a compile's seconds without and with inductor's disk cache, for the blocks of one model at one shape.
-COMPILED_STEP_RATIO = 0.85
-COMPILE_COLD_S = 40.0
-COMPILE_WARM_S = 8.0
+# Measured by bench/step.py on an H100 (bench/results/step-levers-h100.json, commit 2f1cabf; docs/step.md): a
+# compiled klein-4B step takes 0.66x the plain step at 1024² and 0.74x at 2048² (the larger ratio is kept: the
+# prediction errs towards not compiling); compiling the blocks for one batch size took 13.0-14.6 s in bf16 and
+# 12.0-16.4 s in fp8 with an empty inductor cache, and 9.6 s in a new process over the warm disk cache
+# (bench/results/step-warm-compile-h100.json). Dynamic shapes: a new image size reuses the graph (0.2-0.6 s).
+COMPILED_STEP_RATIO = 0.74
+FP8_COMPILED = "rowwise"  # the fp8 layers' compute inside compiled blocks (klein-4B 1024²: 43.8 ms; eager static 85.2)
+COMPILE_COLD_S = 16.0
+COMPILE_WARM_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,7 @@ def compile_pays(passes: int, plain_step_s: float, compile_s: float, ratio: floa
     """Whether compiling pays back within a job of `passes` forwards of `plain_step_s` seconds each, against a
     compile of `compile_s` seconds (cold, or warm from the disk cache).
 
-    >>> compile_pays(4, 0.085, COMPILE_COLD_S)        # one distilled image: 4 steps cannot pay 40 s
+    >>> compile_pays(4, 0.085, COMPILE_COLD_S)        # one distilled image: 4 steps cannot pay 16 s
     False
     >>> compile_pays(8 * 20 * 2, 1.0, COMPILE_WARM_S)  # 8 base-model images at 2048², warm cache
     True
@@ -253,13 +257,20 @@ def _root_cause(e: BaseException) -> str:
 
 def _compile(model: nn.Module, shape: StepShape, key: str, folder: Path, backend: str) -> tuple[float, str | None]:
     """Compile the blocks for `shape` with inductor's cache in `folder`; (seconds, None) or (0.0, why not)."""
+    from .fp8 import FP8Linear, set_compute
+
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
+    static = any(isinstance(m, FP8Linear) and m.compute == "scaled_mm" for m in model.modules())
+    if static:  # compiled, per-row scales fuse into the norm before them (43.8 ms against 85.2 eager, static)
+        set_compute(model, FP8_COMPILED)
     set_compiled(model, True, backend)
     t0 = time.perf_counter()
     try:
         _trial_forward(model, shape)
     except Exception as e:  # any compile failure (no compiler, no Triton, a dynamo error): the plain path instead
         set_compiled(model, False)
+        if static:
+            set_compute(model, "scaled_mm")
         return 0.0, f"torch.compile ({_root_cause(e)})"
     seconds = time.perf_counter() - t0
     try:
@@ -310,6 +321,7 @@ def prepare(model: nn.Module, shape: StepShape, options: StepOptions, passes: in
             unavailable.append(why)
     elif _is_compiled(model):
         set_compiled(model, False)
+        _restore_fp8(model)
     if unavailable:
         log.info("sampling step: plain path for %s", "; ".join(unavailable))
     return Prepared(attention, compiled, compile_s, tuple(unavailable), attention_s)
@@ -324,6 +336,14 @@ def _fp8_unavailable(model: nn.Module, dev: torch.device) -> list[str]:
         return ["fp8 matmuls (need CUDA compute capability 8.9+; fp8 weights dequantized to "
                 f"{str(model.dtype).removeprefix('torch.')} instead)"]
     return []
+
+
+def _restore_fp8(model: nn.Module) -> None:
+    """Back to per-tensor static scales (eager, they are faster) where compiling had switched to FP8_COMPILED."""
+    from .fp8 import FP8Linear, set_compute
+
+    if any(isinstance(m, FP8Linear) and m.compute == FP8_COMPILED != "scaled_mm" for m in model.modules()):
+        set_compute(model, "scaled_mm")
 
 
 def _is_compiled(model: nn.Module) -> bool:

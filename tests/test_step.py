@@ -140,3 +140,16 @@ def test_ledger_tolerates_a_broken_file(tmp_path) -> None:
     assert led.read() == {}
     led.record("k", 12.3456)
     assert led.read() == {"k": 12.346}
+
+
+def test_compiling_an_fp8_model_switches_to_per_row_scales(tmp_path) -> None:
+    m = _model()
+    lin = m.single_blocks[1].linear1
+    q = fp8.FP8Linear(lin.in_features, lin.out_features, torch.float8_e4m3fn, torch.float32, weight_scale=True,
+                      input_scale=True, compute="scaled_mm")
+    m.single_blocks[1].linear1 = q
+    opts = step.StepOptions(compile="on", cache_dir=str(tmp_path))
+    assert step.prepare(m, step.StepShape(1, 16, 8), opts, 4, backend="eager").compiled
+    assert q.compute == step.FP8_COMPILED == "rowwise"
+    step.prepare(m, step.StepShape(1, 16, 8), step.StepOptions(compile="off"), 4)
+    assert not step._is_compiled(m) and q.compute == "scaled_mm"

@@ -205,6 +205,35 @@ def run_cell(model, key: str, dtype: str, side: int, passes: int, variants: list
     return out
 
 
+def sampling_check(dev: torch.device, steps: int, side: int, tiny: bool) -> dict:
+    """The product path end to end: models.sampling.sample with CFG over `steps` steps, plain, then with the step's
+    levers (compile "on", then "auto" on the compiled model); seconds with the compile, and the latents' deviation."""
+    from vramgraph.models.sampling import noise, sample, sigmas
+    from vramgraph.models.tiny import TINY_TRANSFORMER
+
+    cfg = TINY_TRANSFORMER if tiny else flux2.KLEIN_4B
+    model = build(cfg, dev, torch.bfloat16)
+    h = side // 16
+    lat = noise(42, 1, h, h)
+    g = torch.Generator().manual_seed(3)
+    ctx, neg = (torch.randn(1, TEXT_TOKENS, cfg.context_dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    sig = sigmas(steps, h * h)
+    out: dict = {"steps": steps, "size": side, "cfg": 5.0}
+    for name, opts in (("plain", step.PLAIN), ("compile_on", step.StepOptions(compile="on")),
+                       ("auto_after", step.StepOptions())):
+        _sync(dev)
+        t0 = time.perf_counter()
+        x = sample(model, lat, ctx, sig, negative=neg, guidance=5.0, step=opts)
+        _sync(dev)
+        out[name] = {"seconds": time.perf_counter() - t0}
+        if name == "plain":
+            ref = x.float()
+        else:
+            out[name]["rel_l2_vs_plain"] = rel(x.float(), ref)
+        print(f"sample {name}: {out[name]}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -219,6 +248,8 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--cache", default=None, help="inductor cache folder (default: a fresh temporary one: cold)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script, measures nothing")
+    ap.add_argument("--sample", type=int, default=0, help="first, sample this many CFG steps at 1024² through "
+                    "models.sampling with the levers off and on (the product's path)")
     a = ap.parse_args()
     a.cache = a.cache or tempfile.mkdtemp(prefix="vg-step-cache-")
     dev = torch.device("cpu" if a.tiny else "cuda")
@@ -229,6 +260,8 @@ def main() -> None:
     if dev.type == "cuda":
         report["cudnn"] = torch.backends.cudnn.version()
     print(f"{card}: bf16 matmul {rate['bf16'] / 1e12:.0f} TFLOP/s, fp8 {rate['fp8'] / 1e12:.0f}", flush=True)
+    if a.sample:
+        report["sampling"] = sampling_check(dev, a.sample, 64 if a.tiny else 1024, a.tiny)
     ref_out: dict = {}
     from vramgraph.models.tiny import TINY_TRANSFORMER
 

@@ -7,6 +7,7 @@ sees them packed as tokens (B, H/16 * W/16, 128), row-major.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -184,6 +185,8 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
         split = cfg_on and sequential_cfg and kv is None
         batch = ctx.shape[0] // (2 if split else 1)
         calls = (len(sigma_list) - 1) * (2 if split else 1) * (2 if sampler in ("heun", "dpmpp_sde") else 1)
+        if kv is not None:  # keys longer than queries: SDPA's own choice, which falls back where a kernel cannot
+            step = dataclasses.replace(step, attention="sdpa")
         prepare_step(model, StepShape(batch, n_img, ctx.shape[1]), step, calls)
 
     def velocity(x: torch.Tensor, s: float) -> torch.Tensor:

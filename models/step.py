@@ -1,8 +1,8 @@
 """The sampling step at the GPU's limit: the levers that make a FLUX.2 transformer forward faster, each with its
 fallback to the plain path.
 
-- attention kernel: PyTorch's SDPA backends (cuDNN, flash, memory-efficient) timed once per shape on the device and
-  the fastest kept (`pick_attention`); the plain path lets SDPA choose.
+- attention kernel: PyTorch's SDPA backends (cuDNN, flash, memory-efficient) timed once per shape on the device
+  against SDPA's own choice; a forced backend only where it is clearly faster (`pick_attention`).
 - regional `torch.compile` of the blocks (one compiled graph per block class, reused by all blocks of it), which fuses
   the norms, RoPE, modulation, gating and fp8 quantization around the matrix products; inductor's cache is kept on
   disk (`cache_dir`), and a ledger there records which shapes were compiled and how long that took, so that the next
@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 ATTENTION = ("auto", "sdpa", "cudnn", "flash", "efficient")
 COMPILE = ("auto", "on", "off")
 _CANDIDATES = ("cudnn", "flash", "efficient")
+# A forced backend must beat SDPA's own choice by 5 % to be used: on the H100 with PyTorch 2.11 SDPA picks cuDNN
+# itself (bench/results/step-levers-h100.json: forced cuDNN 91.0 ms a step against 90.6), and a forced backend has
+# no fallback for inputs it cannot take.
+PICK_GAIN = 0.95
 
 # Measured by bench/step.py on an H100 (bench/results/step-levers-h100.json, commit 2f1cabf; docs/step.md): a
 # compiled klein-4B step takes 0.66x the plain step at 1024² and 0.74x at 2048² (the larger ratio is kept: the
@@ -151,11 +155,13 @@ def _time_cuda(fn: Callable[[], object], reps: int = 3) -> float:
 
 @torch.no_grad()
 def pick_attention(device: torch.device, dtype: torch.dtype, batch: int, heads: int, tokens: int, head_dim: int,
-                   candidates: tuple[str, ...] = _CANDIDATES) -> tuple[str, dict[str, float], tuple[str, ...]]:
-    """The fastest of `candidates` for this shape on `device`, timed on random inputs; with the seconds of each
-    that ran and the names that could not run. On a non-CUDA device: ("sdpa", {}, candidates)."""
+                   candidates: tuple[str, ...] = ("sdpa", *_CANDIDATES)
+                   ) -> tuple[str, dict[str, float], tuple[str, ...]]:
+    """The fastest of `candidates` for this shape on `device`, timed on random inputs ("sdpa", SDPA's own choice,
+    kept unless another is faster by more than PICK_GAIN); with the seconds of each that ran and the names that could
+    not run. On a non-CUDA device: ("sdpa", {}, the candidates other than "sdpa")."""
     if device.type != "cuda":
-        return "sdpa", {}, tuple(candidates)
+        return "sdpa", {}, tuple(c for c in candidates if c != "sdpa")
     q, k, v = (torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype) for _ in range(3))
     seconds, missing = {}, []
     for name in candidates:
@@ -166,7 +172,10 @@ def pick_attention(device: torch.device, dtype: torch.dtype, batch: int, heads: 
             missing.append(name)
     if not seconds:
         return "sdpa", {}, tuple(missing)
-    return min(seconds, key=seconds.__getitem__), seconds, tuple(missing)
+    best = min(seconds, key=seconds.__getitem__)
+    if "sdpa" in seconds and best != "sdpa" and seconds[best] > PICK_GAIN * seconds["sdpa"]:
+        best = "sdpa"  # SDPA's own choice unless a forced backend is clearly faster (it falls back by itself)
+    return best, seconds, tuple(missing)
 
 
 def set_attention(model: nn.Module, name: str) -> None:

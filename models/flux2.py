@@ -12,7 +12,7 @@ generation with `rope_table()` and pass them to every step.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -126,13 +126,18 @@ class MLP(nn.Sequential):
         return self[2](F.silu(a) * b)
 
 
-def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor,
+                    attend: Attend | None = None) -> torch.Tensor:
     """Unmasked attention over all tokens of (B, S, H, D) tensors; returns (B, S_q, H*D).
 
     k and v may be longer than q (cached reference keys appended): q takes the first rows of the rotary table, k all.
+    `attend` (B, H, S, D) -> (B, H, S_q, D) is the attention kernel (models/step.py picks one per shape); None: SDPA.
     """
     q, k = apply_rope(q, rope[:q.shape[1]]), apply_rope(k, rope[:k.shape[1]])
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out = (attend or F.scaled_dot_product_attention)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2).flatten(2)
 
 
@@ -204,6 +209,7 @@ class DoubleBlock(nn.Module):
     def __init__(self, cfg: Flux2Config) -> None:
         super().__init__()
         self.eps = cfg.eps
+        self.attend: Attend | None = None  # the attention kernel (models/step.py); None: SDPA's own choice
         self.img_attn = Attention(cfg)
         self.txt_attn = Attention(cfg)
         self.img_mlp = MLP(cfg)
@@ -221,7 +227,7 @@ class DoubleBlock(nn.Module):
         k, v = torch.cat([tk, ik], 1), torch.cat([tv, iv], 1)
         if kv is not None:
             k, v = kv.take(kv.double, k, v, n_ref, index)
-        attn = joint_attention(torch.cat([tq, iq], 1), k, v, rope)
+        attn = joint_attention(torch.cat([tq, iq], 1), k, v, rope, self.attend)
         img = gated(img, mod_img, 2, self.img_attn.proj(attn[:, n_txt:]))
         txt = txt + t_gate1 * self.txt_attn.proj(attn[:, :n_txt])
         img = gated(img, mod_img, 5, self.img_mlp(adaln(img, mod_img, 3, self.eps)))
@@ -235,6 +241,7 @@ class SingleBlock(nn.Module):
     def __init__(self, cfg: Flux2Config) -> None:
         super().__init__()
         self.eps = cfg.eps
+        self.attend: Attend | None = None  # the attention kernel (models/step.py); None: SDPA's own choice
         self.heads = cfg.heads
         self.hidden = cfg.hidden
         self.mlp_hidden = cfg.mlp_hidden
@@ -249,7 +256,7 @@ class SingleBlock(nn.Module):
         q, k = self.norm.query_norm(q), self.norm.key_norm(k)
         if kv is not None:
             k, v = kv.take(kv.single, k, v, n_ref, index)
-        attn = joint_attention(q, k, v, rope)
+        attn = joint_attention(q, k, v, rope, self.attend)
         a, b = gate_up.chunk(2, dim=-1)
         return gated(x, mod, 2, self.linear2(torch.cat([attn, F.silu(a) * b], dim=-1)))
 

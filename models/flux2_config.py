@@ -72,6 +72,40 @@ def parameter_shapes(cfg: Flux2Config) -> dict[str, tuple[int, ...]]:
     return out
 
 
+@dataclass(frozen=True)
+class StepFlop:
+    """Floating-point operations of one transformer forward (one sampling pass), from the model's shapes."""
+
+    linear: int  # every matrix product with a weight: the blocks' projections and MLPs, embedders, final layer
+    attention: int  # Q K^T and P V of every block (softmax and the elementwise work not counted)
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.attention
+
+
+def step_flop(cfg: Flux2Config, image_tokens: int, text_tokens: int, batch: int = 1) -> StepFlop:
+    """FLOP of one forward of `batch` sequences of `image_tokens` (target and references) and `text_tokens`.
+
+    A token passes 13 hidden² weights in every block (a double block: qkv 3h², proj h², MLP 2m·h + m·h with
+    m = 3h; a single block: linear1 (3h + 2m)·h, linear2 (h + m)·h), 2 FLOP per multiply-add; attention is
+    2·S²·h for Q K^T and as much for P V over all S tokens of the joint sequence.
+
+    >>> f = step_flop(Flux2Config(), 4096, 512)
+    >>> round(f.linear / 1e12, 1), round(f.attention / 1e12, 2)
+    (28.3, 6.52)
+    """
+    h, m, s = cfg.hidden, cfg.mlp_hidden, image_tokens + text_tokens
+    per_token = 3 * h * h + h * h + 2 * m * h + m * h  # one block, one token (the same for both kinds)
+    blocks = cfg.depth_double + cfg.depth_single
+    linear = 2 * s * blocks * per_token
+    linear += 2 * (image_tokens * cfg.in_channels * h + text_tokens * cfg.context_dim * h + image_tokens * h
+                   * cfg.in_channels)  # img_in, txt_in, final layer
+    linear += 2 * (cfg.time_dim * h + h * h + 15 * h * h + 2 * h * h)  # time embedding, modulations, final adaLN
+    attention = 4 * s * s * h * blocks
+    return StepFlop(batch * linear, batch * attention)
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoint naming
 

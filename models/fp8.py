@@ -8,6 +8,12 @@
   ComfyUI's rule), only for layers not marked full_precision_matrix_mult, and only where both matrix sides
   are multiples of 16 (what the kernel takes); every other case dequantizes.
 
+- "rowwise": torch's scaled fp8 matmul with a scale per activation row, amax(|row|) / 448 computed at run time
+  (no clamping: every row fits e4m3's range), the weight's per-tensor scale spread over its columns, and the
+  tensor cores' fast accumulation; e4m3 weights only (others dequantize). Faster than "scaled_mm" and closer
+  to the bf16 result (bench/step.py, docs/step.md); under a compiled block (models/step.py) its amax and
+  quantization fuse into the norm before them.
+
 Text encoders always dequantize (ComfyUI builds them with full_precision_mm). Which one a transformer uses
 by default, DEFAULT_COMPUTE, was chosen from bench/fp8.py on the H200 (bench/results/fp8.json).
 """
@@ -24,7 +30,7 @@ from .dtypes import stored_torch_dtype
 from .headers import CheckpointError
 from .quant import QuantLayer
 
-COMPUTES = ("dequant", "scaled_mm")
+COMPUTES = ("dequant", "scaled_mm", "rowwise")
 # bench/results/fp8.json (H200, klein-4B at 1024², block linears fp8 as BFL's files): a step takes 77.4 ms with
 # scaled_mm, 104.1 ms dequantizing, 86.3 ms in bf16; both fp8 paths are 0.5-0.6 % rel-L2 from the bf16 output
 DEFAULT_COMPUTE = "scaled_mm"
@@ -71,19 +77,33 @@ class FP8Linear(nn.Module):
         return w if scale is None else w.mul_(scale.to(dt))
 
     def _scaled_mm_ok(self, x: torch.Tensor) -> bool:
-        return (self.compute == "scaled_mm" and x.is_cuda and self.in_features % 16 == 0
+        return (self.compute in ("scaled_mm", "rowwise") and x.is_cuda and self.in_features % 16 == 0
                 and self.out_features % 16 == 0 and fp8_matmul_supported(x.device))
+
+    def _rowwise(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        s_a = (flat.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+        q = (flat.float() / s_a).to(torch.float8_e4m3fn)
+        s_w = getattr(self, "weight_scale", None)
+        s_b = (s_w.float() if s_w is not None else torch.ones((), device=x.device)).expand(1, self.out_features)
+        out = torch._scaled_mm(q, self.weight.t(), scale_a=s_a, scale_b=s_b.contiguous(), out_dtype=x.dtype,
+                               use_fast_accum=True)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._scaled_mm_ok(x):
             return F.linear(x, self.dequantized(x.dtype))
+        if self.compute == "rowwise" and self.weight.dtype == torch.float8_e4m3fn:
+            return self._rowwise(x)
         flat = x.reshape(-1, self.in_features)
         s_in = getattr(self, "input_scale", None)
         if s_in is None:
             s_in = torch.ones((), dtype=torch.float32, device=x.device)
             q = flat.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         else:
-            q = (flat * (1.0 / s_in).to(flat.dtype)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            # clamped in place: one bf16 copy of the activation less at the peak (bench/results/step-levers-h100.json
+            # measured this path 3.4 % over the sampler's estimate at 2048² with CFG before)
+            q = (flat * (1.0 / s_in).to(flat.dtype)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         s_w = getattr(self, "weight_scale", None)
         if s_w is None:
             s_w = torch.ones((), dtype=torch.float32, device=x.device)

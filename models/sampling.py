@@ -7,6 +7,7 @@ sees them packed as tokens (B, H/16 * W/16, 128), row-major.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from PIL import Image
 
 from . import samplers
 from .flux2 import Flux2Transformer, RefKV, image_ids, rope_table, text_ids
+from .step import StepOptions, StepShape
+from .step import prepare as prepare_step
 
 # Empirical fit of the schedule's shift mu to the target token count and step count (BFL flux2).
 MU_A1, MU_B1 = 8.73809524e-05, 1.89833333
@@ -138,7 +141,8 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
            negative: torch.Tensor | None = None, guidance: float = 1.0, references: References | None = None,
            progress: Progress | None = None,
            preview: Callable[[torch.Tensor, int, int], None] | None = None, kv_cache: bool = False,
-           sampler: str = "euler", seed: int = 0, sequential_cfg: bool = False) -> torch.Tensor:
+           sampler: str = "euler", seed: int = 0, sequential_cfg: bool = False,
+           step: StepOptions | None = None) -> torch.Tensor:
     """Integration of the flow from sigma_list[0] to sigma_list[-1] with `sampler` (models/samplers.py).
 
     latent: (B, 128, h, w) noise (times sigma_list[0]) in the normalised space, any device;
@@ -151,6 +155,9 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
     ancestral, SDE and LCM samplers (as ComfyUI draws it from the noise seed). "euler" steps in the
     velocity, x += (sigma_next - sigma) v; the others step from the denoised estimate, with the guidance
     applied to it as ComfyUI does (the same mixture: x0 is affine in v).
+
+    step: how the transformer's forwards run (models/step.py: attention kernel per shape, compiled blocks where that
+    pays back within this run); None: as the model is.
 
     kv_cache (ComfyUI's FluxKVCache, for klein-9B-kv): the first model call runs with the references, modulated at
     t=0, and caches their keys and values (`RefKV`); every later call runs on the target tokens alone against it.
@@ -173,6 +180,14 @@ def sample(model: Flux2Transformer, latent: torch.Tensor, context: torch.Tensor,
     if references is not None:
         ref_tokens = references.tokens.to(device, model.dtype).expand(ctx.shape[0], -1, -1)
     kv = RefKV() if kv_cache and ref_tokens is not None else None
+    if step is not None:
+        n_img = n + (ref_tokens.shape[1] if ref_tokens is not None else 0)
+        split = cfg_on and sequential_cfg and kv is None
+        batch = ctx.shape[0] // (2 if split else 1)
+        calls = (len(sigma_list) - 1) * (2 if split else 1) * (2 if sampler in ("heun", "dpmpp_sde") else 1)
+        if kv is not None:  # keys longer than queries: SDPA's own choice, which falls back where a kernel cannot
+            step = dataclasses.replace(step, attention="sdpa")
+        prepare_step(model, StepShape(batch, n_img, ctx.shape[1]), step, calls)
 
     def velocity(x: torch.Tensor, s: float) -> torch.Tensor:
         """The model's (B, n, 128) prediction at sigma s, both halves when guidance is on."""

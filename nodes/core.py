@@ -498,8 +498,10 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
         kw["sequential_cfg"] = vg.variant == "stream-cfg"
         with stream_blocks(vg.host_module(model), vg.device, vg.resident_blocks(model), _kept(vg, model)) as m:
             out = ops.run_sampler(m, *args, **kw)
-    else:
-        out = ops.run_sampler(vg.module(model), *args, **kw)
+    else:  # resident: the step's levers (models/step.py), set by VRAMGRAPH_ATTENTION and VRAMGRAPH_COMPILE
+        from ..models.step import StepOptions
+
+        out = ops.run_sampler(vg.module(model), *args, **kw, step=StepOptions.from_env())
     return {"samples": out}, ({"samples": last[0].float().cpu()} if last else {"samples": out})
 
 

@@ -16,6 +16,7 @@ from PIL import Image
 
 from ..models.qwen3 import PromptTokenizer, Qwen3Encoder, encode_prompts, encode_prompts_streamed
 from ..models.sampling import pack_references, sample
+from ..models.step import StepOptions
 from ..models.streaming import Kept
 from ..models.vae import Flux2VAE
 from .estimates import TILE_OVERLAP, tile_spans
@@ -49,14 +50,15 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
                 progress: Progress | None = None,
                 preview: Callable[[torch.Tensor, int, int], None] | None = None,
                 sampler: str = "euler", seed: int = 0, kv_cache: bool = False,
-                sequential_cfg: bool = False) -> torch.Tensor:
+                sequential_cfg: bool = False, step: StepOptions | None = None) -> torch.Tensor:
     """Sampling as ComfyUI's SamplerCustomAdvanced does it for a FLUX model; returns the final latent on the CPU.
 
     The start is sigma0 * noise + (1 - sigma0) * latent (ComfyUI's flow-model noise scaling), exactly
     the noise for an empty latent and sigma0 = 1; a schedule that stops above 0 returns x / (1 - sigma_last)
     (its inverse noise scaling). cfg 1.0 skips the negative. `seed` (the noise seed) fixes the fresh noise
     of the stochastic samplers. kv_cache: a model patched by FluxKVCache (the references' keys and values
-    cached on the first step, see models.sampling.sample).
+    cached on the first step, see models.sampling.sample). `step`: how the transformer's forwards run
+    (models/step.py); None: as the model is.
     """
     if len(sigmas) < 2:
         return latent.float().clone()
@@ -67,7 +69,8 @@ def run_sampler(model: torch.nn.Module, noise: torch.Tensor, latent: torch.Tenso
     neg = _batched(negative, batch, "negative") if negative is not None and cfg != 1.0 else None
     refs = pack_references([r[:1] for r in references]) if references else None
     out = sample(model, start, pos, list(sigmas), negative=neg, guidance=cfg, references=refs, progress=progress,
-                 preview=preview, sampler=sampler, seed=seed, kv_cache=kv_cache, sequential_cfg=sequential_cfg)
+                 preview=preview, sampler=sampler, seed=seed, kv_cache=kv_cache, sequential_cfg=sequential_cfg,
+                 step=step)
     last = torch.tensor(float(sigmas[-1]), dtype=torch.float32, device=out.device)
     if last != 0:
         out = out / (1.0 - last)

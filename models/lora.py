@@ -27,7 +27,6 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +208,7 @@ def restore(module: nn.Module) -> None:
         if st.inplace[name]:
             p.data.copy_(base, non_blocking=False)
         else:
-            p.data = base
+            p.data = base.to(p.device)
 
 
 def forget(module: nn.Module) -> None:
@@ -222,8 +221,11 @@ def merged_signature(module: nn.Module) -> tuple | None:
     return st.signature if st is not None else None
 
 
-def merge(module: nn.Module, uses: Sequence[Use]) -> int:
-    """Merge `uses` into the module's plain (not fp8) layers, first undoing another merged set; bytes written."""
+def merge(module: nn.Module, uses: Sequence[Use], host: Mapping[str, torch.Tensor] | None = None) -> int:
+    """Merge `uses` into the module's plain (not fp8) layers, first undoing another merged set; bytes written.
+
+    `host`: the model's pinned host copy (parameter name -> tensor), if it has one: GPU weights are restored from it
+    later, so nothing is copied aside; without it, the layers a merge changes are first copied to the host."""
     signature = tuple(u.signature for u in uses if u.strength != 0)
     if merged_signature(module) == signature:
         return 0
@@ -248,7 +250,9 @@ def merge(module: nn.Module, uses: Sequence[Use]) -> int:
                 st.base[name], st.inplace[name] = w, False
                 p.data = new.to(w.dtype)
             else:
-                st.base[name], st.inplace[name] = w.to("cpu", copy=True), True
+                kept = host.get(name) if host is not None else None
+                st.base[name] = kept if kept is not None and kept.shape == w.shape else w.to("cpu", copy=True)
+                st.inplace[name] = True
                 w.copy_(new)
             written += w.numel() * w.element_size()
     module.__dict__[_STATE] = st
@@ -266,42 +270,48 @@ class _Hook:
     def __init__(self, layer: nn.Module, items: list[tuple[Adapter, float]]) -> None:
         self.layer, self.items = layer, items
         self.dora = any(a.dora is not None for a, _ in items)
-        self.moved: dict[torch.device, list[tuple[Adapter, float]]] = {}
+        self.moved: dict[tuple, list[tuple[Adapter, float]]] = {}
 
-    def _on(self, device: torch.device) -> list[tuple[Adapter, float]]:
-        if device not in self.moved:
-            self.moved[device] = [(Adapter(a.target, {k: v.to(device) for k, v in a.tensors.items()}, a.alpha), s)
-                                  for a, s in self.items]
-        return self.moved[device]
+    def _on(self, device: torch.device, dtype: torch.dtype) -> list[tuple[Adapter, float]]:
+        """The adapters on the layer's device, in the activations' dtype (fp32 for DoRA, which rebuilds W)."""
+        dt = torch.float32 if self.dora else dtype
+        if (device, dt) not in self.moved:
+            self.moved[(device, dt)] = [(Adapter(a.target, {k: v.to(device, dt) for k, v in a.tensors.items()},
+                                                 a.alpha), s) for a, s in self.items]
+        return self.moved[(device, dt)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for a in self.moved.values() for b, _ in a for v in b.tensors.values())
 
     def __call__(self, layer: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         x = args[0]
-        items = self._on(x.device)
+        items = self._on(x.device, x.dtype)
         if self.dora:
             w = (layer.dequantized(torch.float32) if _is_fp8(layer) else layer.weight.float()).clone()
             for a, s in items:
                 rows = _rows(w, a.target)
                 rows.copy_(a.merge(rows.clone(), s))
             return F.linear(x, w.to(x.dtype))
-        out = out.clone()
-        for a, s in items:
-            d = a.h(x) * s
-            if a.target.rows:
-                out[..., a.target.rows[0]:a.target.rows[0] + a.target.rows[1]] += d
-            else:
-                out += d
+        for a, s in items:  # (in place: under no_grad/inference nothing else holds the layer's fresh output)
+            d = a.h(x)
+            part = out.narrow(-1, a.target.rows[0], a.target.rows[1]) if a.target.rows else out
+            part.add_(d, alpha=s)
         return out
 
 
 @contextlib.contextmanager
-def applied(module: nn.Module, uses: Sequence[Use], mode: str = "merged") -> Iterator[None]:
+def applied(module: nn.Module, uses: Sequence[Use], mode: str = "merged",
+            host: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
     """The module with `uses` applied while the block runs: merged (the merge stays after the block, for the next
-    node using the same set) or on the fly (hooks, removed after). fp8 layers always take them on the fly."""
+    node using the same set) or on the fly (hooks, removed after). fp8 layers always take them on the fly. Every
+    adapter is read (and checked) before any weight changes."""
     if mode not in MODES:
         raise ValueError(f"unknown LoRA mode {mode!r}; use one of {', '.join(MODES)}")
     live = [u for u in uses if u.strength != 0]
+    _adapters(module, live)  # a damaged file fails here, with nothing changed
     if mode == "merged":
-        merge(module, live)
+        merge(module, live, host)
     else:
         restore(module)
     hooks = []
@@ -319,13 +329,3 @@ def applied(module: nn.Module, uses: Sequence[Use], mode: str = "merged") -> Ite
     finally:
         for h in hooks:
             h.remove()
-
-
-def uses_for(files: Sequence[tuple[Path | str, float]], component: str, parsed: Mapping[str, LoraFile]) -> list[Use]:
-    """Uses of already parsed files (path -> LoraFile) on one component, dropping files without a part for it."""
-    out = []
-    for path, strength in files:
-        lf = parsed[str(path)]
-        if lf.component(component):
-            out.append(Use(lf, component, float(strength)))
-    return out

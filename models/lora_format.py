@@ -33,6 +33,7 @@ from . import flux2_config, qwen3_config
 from .headers import CheckpointError, TensorInfo, read_header
 
 COMPONENTS = ("transformer", "text_encoder")
+TEXT_ENCODER_PREFIXES = ("lora_te_", "text_encoders.")
 DTYPES = ("BF16", "F16", "F32")
 
 # suffix -> (adapter, role); longest suffixes are tried first
@@ -89,6 +90,7 @@ class LoraFile:
     nbytes: int  # bytes of the adapter tensors
     adapters: tuple[str, ...]  # the adapter kinds present ("lora", "dora", "loha", "lokr")
     rank: int  # the largest rank (LoRA, LoHa; 0 for a LoKr without low-rank factors)
+    ignored: int = 0  # text encoder layers set aside when parsed for a transformer alone (LoraLoaderModelOnly)
 
     def component(self, kind: str) -> tuple[Target, ...]:
         return dict(self.targets).get(kind, ())
@@ -270,8 +272,12 @@ def parse(path: str | Path, transformer: flux2_config.Flux2Config | None,
             "text_encoder": text_encoder_names(text_encoder) if text_encoder is not None else {}}
     found: dict[str, list[Target]] = {k: [] for k in COMPONENTS}
     unmatched = []
+    ignored = 0
     for module, roles in groups.items():
         kind = _kind(path, module, roles)
+        if text_encoder is None and module.startswith(TEXT_ENCODER_PREFIXES):
+            ignored += 1  # as ComfyUI's LoraLoaderModelOnly, which loads the model's part of a file only
+            continue
         hit = next(((c, maps[c][module]) for c in COMPONENTS if module in maps[c]), None)
         if hit is None:
             unmatched.append(module)
@@ -292,18 +298,19 @@ def parse(path: str | Path, transformer: flux2_config.Flux2Config | None,
                    ({"dora"} if any(t.key("dora_scale") for _, ts in targets for t in ts) else set()))
     rank = max((_rank(t, infos) for _, ts in targets for t in ts), default=0)
     nbytes = sum(i.nbytes for i in infos.values())
-    return LoraFile(path, _style(groups), targets, nbytes, tuple(kinds), rank)
+    return LoraFile(path, _style(groups), targets, nbytes, tuple(kinds), rank, ignored)
 
 
 def _refuse_unmatched(path: Path, unmatched: list[str], total: int, transformer: object, text_encoder: object) -> None:
+    if transformer is None and any(m in transformer_names(flux2_config.KLEIN_9B) for m in unmatched[:20]):
+        raise LoraError(f"{path}: its layers (e.g. {unmatched[0]!r}) are the FLUX.2 transformer's, and this use of it "
+                        "has no transformer to apply them to (load it on the MODEL: LoraLoader or LoraLoaderModelOnly)")
     if len(unmatched) == total:
         raise LoraError(f"{path}: a LoRA for {_looks_like(unmatched)}, not for FLUX.2 [klein]: none of its "
                         f"{total} layers, e.g. {unmatched[0]!r}, is a layer of ours")
-    te = any(m.startswith(("lora_te", "text_encoders.")) for m in unmatched)
+    te = any(m.startswith(TEXT_ENCODER_PREFIXES) for m in unmatched)
     hint = ""
-    if te and text_encoder is None:
-        hint = " (text encoder layers: load it with LoraLoader, which also takes the CLIP)"
-    elif not te and transformer is None:
+    if not te and transformer is None:
         hint = " (transformer layers: this node takes no MODEL)"
     shown = ", ".join(repr(m) for m in unmatched[:5])
     raise LoraError(f"{path}: {len(unmatched)} of its {total} layers match no layer of the model{hint}: {shown}"

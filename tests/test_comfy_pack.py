@@ -42,7 +42,8 @@ def _fake_comfyui(root: Path, models: Path, device: str = "cpu") -> tuple[dict, 
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
     paths = {"diffusion_models": [models / "diffusion_models", models / "unet"],
-             "text_encoders": [models / "text_encoders", models / "clip"], "vae": [models / "vae"]}
+             "text_encoders": [models / "text_encoders", models / "clip"], "vae": [models / "vae"],
+             "loras": [models / "loras"]}  # ComfyUI has a loras folder too
 
     fp = types.ModuleType("folder_paths")
     fp.models_dir = str(models)
@@ -106,14 +107,13 @@ def _fake_comfyui(root: Path, models: Path, device: str = "cpu") -> tuple[dict, 
         OUTPUT_NODE = True
         FUNCTION = "save"
 
-    class LoraLoaderModelOnly:
+    class ModelSamplingAuraFlow:  # a MODEL patch vramgraph does not implement (LoRA loaders it does)
         @classmethod
         def INPUT_TYPES(cls):
-            return {"required": {"model": ("MODEL",), "lora_name": (["style.safetensors"],),
-                                 "strength_model": ("FLOAT", {"default": 1.0})}}
+            return {"required": {"model": ("MODEL",), "shift": ("FLOAT", {"default": 1.73})}}
 
         RETURN_TYPES = ("MODEL",)
-        FUNCTION = "load_lora"
+        FUNCTION = "patch_aura"
 
     class Broken:
         @classmethod
@@ -122,7 +122,7 @@ def _fake_comfyui(root: Path, models: Path, device: str = "cpu") -> tuple[dict, 
 
     nodes = types.ModuleType("nodes")  # ComfyUI's nodes.py: its core nodes and every loaded pack's, ours too
     nodes.NODE_CLASS_MAPPINGS = {"ImageScaleBy": ImageScaleBy, "SaveAnimatedWEBP": SaveAnimatedWEBP, "Broken": Broken,
-                                 "LoraLoaderModelOnly": LoraLoaderModelOnly,
+                                 "ModelSamplingAuraFlow": ModelSamplingAuraFlow,
                                  "SaveImage": SaveAnimatedWEBP}  # a core type we implement is planned as ours
     return {"folder_paths": fp, "comfy": comfy, "comfy.model_management": mm, "comfy.utils": utils,
             "server": server, "nodes": nodes}, calls
@@ -241,14 +241,13 @@ def test_plan_panel_plans_graphs_that_mix_vg_and_comfyui_nodes(pack):
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "missing_node_type"
         # ComfyUI's node between our loader and our sampler: our sampler cannot be sized, and the answer says why
         core = json.loads((ROOT / "workflows" / "core_text_to_image.json").read_text())
-        lora = {"model": ["1", 0], "lora_name": "style.safetensors", "strength_model": 1.0}
-        core["20"] = {"class_type": "LoraLoaderModelOnly", "inputs": lora}
+        core["20"] = {"class_type": "ModelSamplingAuraFlow", "inputs": {"model": ["1", 0], "shift": 1.73}}
         core["6"]["inputs"]["model"] = ["20", 0]
         bad = requests.post(srv.url + "/vramgraph/plan", json={"prompt": core}, timeout=60)
         assert bad.status_code == 400, bad.text
         error = bad.json()["error"]
         assert error["extra_info"]["node_id"] == "6"
-        assert "comes from node 20 (LoraLoaderModelOnly), ComfyUI's own node" in error["message"]
+        assert "comes from node 20 (ModelSamplingAuraFlow), ComfyUI's own node" in error["message"]
 
 
 def _heavy(pack, fn, *args, **kwargs):

@@ -143,12 +143,14 @@ def test_text_encoder_styles(tmp_path, style):
         {p for p, s in Qwen3Encoder(TE).state_dict().items() if s.ndim == 2 and not p.startswith("embed")}
 
 
-def test_model_only_node_refuses_a_text_encoder_part_naming_it(tmp_path):
+def test_a_file_with_both_parts(tmp_path):
     mods = transformer_modules(CFG, "bfl") + text_encoder_modules(TE, "kohya_te")
     path = write_lora(tmp_path / "both.safetensors", mods)
     assert lora_format.parse(path, CFG, TE).components == ("transformer", "text_encoder")
-    with pytest.raises(lora_format.LoraError, match=r"LoraLoader.*lora_te_layers_0_self_attn"):
-        lora_format.parse(path, CFG, None)
+    alone = lora_format.parse(path, CFG, None)  # LoraLoaderModelOnly: the text encoder part set aside, as ComfyUI
+    assert alone.components == ("transformer",) and alone.ignored == len(text_encoder_modules(TE, "kohya_te"))
+    with pytest.raises(lora_format.LoraError, match=r"transformer's.*LoraLoader"):  # a CLIP-only use has no transformer
+        lora_format.parse(write_lora(tmp_path / "k.safetensors", transformer_modules(CFG, "kohya")), None, TE)
 
 
 @pytest.mark.parametrize(("modules", "said"), [

@@ -45,6 +45,7 @@ class Settings:
     host: str | int | None = None  # host RAM budget
     profile: str | None = None  # cost profile name (graph/costs.py); None: probe the GPU
     checkpoints: Sequence[str | Path] = ()  # extra roots whose subfolders are checkpoints
+    loras: Sequence[str | Path] = ()  # extra folders of LoRA files
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -55,8 +56,9 @@ def settings_of(obj: Any) -> Settings:
     `host`, which is an address to `serve` (a host RAM budget is only ever given as Settings)."""
     if isinstance(obj, Settings):
         return obj
-    return Settings(**{f.name: getattr(obj, f.name, None) if f.name != "checkpoints" else
-                       tuple(getattr(obj, "checkpoints", None) or ()) for f in dataclasses.fields(Settings)
+    roots = ("checkpoints", "loras")
+    return Settings(**{f.name: getattr(obj, f.name, None) if f.name not in roots else
+                       tuple(getattr(obj, f.name, None) or ()) for f in dataclasses.fields(Settings)
                        if f.name != "host"})
 
 
@@ -105,7 +107,8 @@ def folders_from(settings: Any) -> Any:
     output = Path(s.output or cfg.get("output", "output")).expanduser()
     return Folders(models=models_folders(s), input=Path(s.input or cfg.get("input", "input")).expanduser(),
                    output=output, temp=Path(cfg.get("temp", output / "temp")).expanduser(),
-                   checkpoints=tuple(Path(c).expanduser() for c in s.checkpoints))
+                   checkpoints=tuple(Path(c).expanduser() for c in s.checkpoints),
+                   loras=tuple(Path(c).expanduser() for c in s.loras))
 
 
 def parse_device(text: str | None) -> Any:

@@ -110,13 +110,15 @@ class Folders:
     output: Path = field(default_factory=lambda: Path("output"))
     temp: Path = field(default_factory=lambda: Path("temp"))
     checkpoints: tuple[Path, ...] = ()  # extra roots whose subfolders are checkpoints (--checkpoint PATH's parent)
+    loras: tuple[Path, ...] = ()  # extra folders of LoRA files (--lora PATH's folder)
 
     def model_dirs(self, folder: str) -> list[Path]:
         if folder == "checkpoints":
             dirs = [root / n for root in self.models for n in CHECKPOINT_FOLDERS if (root / n).is_dir()]
             return dirs + [p for p in self.checkpoints if p.is_dir()]
         names = MODEL_FOLDERS.get(folder, (folder,))
-        return [root / n for root in self.models for n in names if (root / n).is_dir()]
+        extra = [p for p in self.loras if p.is_dir()] if folder == "loras" else []
+        return [root / n for root in self.models for n in names if (root / n).is_dir()] + extra
 
     def list(self, folder: str) -> list[str]:
         """File names (relative, with subfolders, '/'-separated) in a model folder or 'input'."""

@@ -154,3 +154,31 @@ def test_a_lora_for_another_model_names_node_and_file_and_the_next_prompt_runs(e
         damaged.unlink()
     ok = engine.run(with_lora(core_text_to_image("a fox", seed=1, steps=1, size=64)))
     assert ok.images and torch.isfinite(torch.from_numpy(pixels(ok.images[0]).astype(float))).all()
+
+
+def test_cli_and_python_api_take_loras(lora_models, input_dir, tmp_path):
+    from vramgraph.cli.main import lora_arg
+    from vramgraph.cli.session import Session
+    from vramgraph.graph.api import Pipeline
+
+    assert lora_arg("a/b.safetensors:0.5") == ("a/b.safetensors", 0.5)
+    assert lora_arg("C:/x/b.safetensors") == ("C:/x/b.safetensors", 1.0)
+    outside = tmp_path / "mine" / "my lora.safetensors"  # a path outside the models folders
+    shutil.copy(lora_models / "loras" / "style.safetensors", outside.parent.mkdir() or outside)
+    pipe = Pipeline(lora_models, input=input_dir, output=tmp_path / "out", device="cpu")
+    plain = pipe.generate("a fox", seed=2, width=64, height=64, steps=1)
+    styled = pipe.generate("a fox", seed=2, width=64, height=64, steps=1,
+                           loras=[(outside, 0.8), "sub/detail.safetensors"])
+    assert not np.array_equal(np.asarray(plain.images[0]), np.asarray(styled.images[0]))
+    kinds = [n["class_type"] for n in styled.prompt.values()]
+    assert kinds.count("VGLoraLoader") == 2
+    with pytest.raises(ValueError, match="finite"):
+        pipe.generate("a fox", seed=2, width=64, height=64, steps=1, loras=[(outside, math.inf)])
+    with pytest.raises(ValueError, match="no such file"):
+        pipe.generate("a fox", seed=2, width=64, height=64, steps=1, loras=["./nowhere.safetensors"])
+    said: list[str] = []
+    session = Session(pipe, save_dir=tmp_path / "session")
+    session.handle(f"!lora {outside}:0.5", said.append)
+    assert session.loras == [(str(outside), 0.5)] and "1 LoRA(s)" in said[-1]
+    with pytest.raises(ValueError, match="no such file"):
+        session.handle("!lora /nowhere/x.safetensors", said.append)

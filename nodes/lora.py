@@ -120,7 +120,8 @@ def lora_cost(model: ModelInfo, tokens: int, calls: int, item: int = 2) -> LoraC
     rank = max((r.rank for r in model.loras), default=0) or 1
     widest = max((o for o, _ in touched.values()), default=0)
     # on the fly, per call: read x and the low-rank middle, read and write the output of every changed layer
-    per_call = sum(tokens * (i + 2 * o + 2 * rank) * item for o, i in touched.values()) / HBM_BYTES_PER_S
+    per_call = sum(tokens * (i + 2 * o + 2 * rank) * item for r in model.loras for _, o, i in r.touched)
+    per_call /= HBM_BYTES_PER_S  # every LoRA adds its own products; a merge covers them all in one pass
     per_call += n_adapters * KERNELS_PER_ADAPTER * KERNEL_SECONDS
     layer_bytes = sum(o * i * item for o, i in touched.values())
     merge = 3 * layer_bytes / HBM_BYTES_PER_S + layer_bytes / H2D_PINNED_BYTES_PER_S  # merge in fp32, restore

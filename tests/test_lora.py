@@ -322,3 +322,31 @@ def test_diffusers_conversion_gives_the_same_weights(tmp_path, style, convert):
             torch.testing.assert_close(w, v, rtol=1e-5, atol=1e-6, msg=k)
             changed += not torch.equal(v, _model().state_dict()[k])
     assert changed == len({m[0].split('_qkv')[0] for m in mods})
+
+
+def test_the_plan_chooses_merged_or_on_the_fly_and_counts_it():
+    """klein-4B at 1024² with two rank-16 LoRAs on every block linear: a 4-step image takes them on the fly (less
+    than one merge pass), 50 steps merged; a streamed variant always on the fly; each variant's bytes, seconds and
+    note grow by what its way costs."""
+    from vramgraph.nodes import estimates
+    from vramgraph.nodes.lora import lora_cost, with_lora_costs
+    from vramgraph.nodes.types import CondInfo, LatentInfo, LoraRef, ModelInfo
+
+    cfg = flux2_config.KLEIN_4B
+    shapes = flux2_config.parameter_shapes(cfg)
+    touched = tuple((p, *s) for p, s in shapes.items() if len(s) == 2 and "blocks" in p)
+    ref = LoraRef("a.safetensors", 1.0, "", sum((o + i) * 16 * 2 for _, o, i in touched), len(touched), 16, ("lora",),
+                  touched)
+    plain = ModelInfo("t", "transformer", "transformer", sum(o * i * 2 for _, o, i in touched), cfg)
+    model = dataclasses.replace(plain, loras=(ref, ref))
+    tokens = 64 * 64 + 512
+    one, two = lora_cost(dataclasses.replace(model, loras=(ref,)), tokens, 4), lora_cost(model, tokens, 4)
+    assert two.fly_seconds == pytest.approx(2 * one.fly_seconds, rel=0.01) and two.merge_seconds == one.merge_seconds
+    assert two.adapter_bytes == 2 * ref.nbytes and two.fly_activation == tokens * (3 * 3072 + 2 * 9216) * 2
+    base = estimates.sampling_variants(plain, LatentInfo(1, 64, 64), CondInfo(1, 512), 1, 4)
+    for steps, want in ((4, "onthefly"), (50, "merged")):
+        got = with_lora_costs(model, base, tokens, steps)
+        assert [v.lora_mode for v in got] == [want, "onthefly"]  # gpu, stream
+        for v, b in zip(got, base, strict=True):
+            assert v.activation > b.activation and v.seconds > b.seconds and "LoRA" in v.note
+    assert with_lora_costs(plain, base, tokens, 4) == base

@@ -6,7 +6,7 @@ This file is also what ComfyUI imports when the repository folder sits in `Comfy
 - `NODE_CLASS_MAPPINGS` / `NODE_DISPLAY_NAME_MAPPINGS`: our `VG` nodes only, one category
   ("vramgraph"), display names ending in "(vramgraph)". They are built on first access (PEP 562), so
   `import vramgraph` stays light: no torch until a node class is asked for.
-- `Pipeline`: the Python API (graph/api.py), also built on first access: `from vramgraph import Pipeline`.
+- `Pipeline`: the Python API (api/pipeline.py), also built on first access: `from vramgraph import Pipeline`.
 - `WEB_DIRECTORY`: ComfyUI loads every `.js` file under it as a front-end extension; the only one is
   `vramgraph_panel.js` (the plan of the queued prompt). The standalone page's scripts are `.mjs`.
 - Inside ComfyUI (its `server` and `comfy.model_management` modules are loaded), the route
@@ -26,8 +26,8 @@ __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY",
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Pipeline":  # the Python API (graph/api.py); torch is imported when a pipeline first runs
-        from .graph.api import Pipeline
+    if name == "Pipeline":  # the Python API (api/pipeline.py); torch is imported when a pipeline first runs
+        from .api.pipeline import Pipeline
 
         globals()["Pipeline"] = Pipeline
         return Pipeline

@@ -127,7 +127,7 @@ class DevicePoll(threading.Thread):
     """The peak device memory in use while it runs (`with DevicePoll(0.02) as p: ...`), sampled every `period` seconds
     in a thread: CUDA's view, `total - free` of cudaMemGetInfo (this process's context, its allocator's holdings and
     anything else on the device), and where nvidia-ml-py works, NVML's device `used` (which also counts the memory the
-    driver keeps for itself: 0.60 GiB more on the H200, graph/budget.py) and this process's `usedGpuMemory`."""
+    driver keeps for itself: 0.60 GiB more on the H200, graph/engine/budget.py) and this process's `usedGpuMemory`."""
 
     def __init__(self, period: float = 0.002, index: int = 0) -> None:
         super().__init__(daemon=True)

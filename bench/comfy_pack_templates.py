@@ -222,7 +222,7 @@ def run_summary(url: str, prompt: dict, ui: dict, timeout: float) -> dict:
 
 
 def templates(c: ComfyUI, info: dict, names: list[str], small: bool, timeout: float, save: Any) -> dict:
-    from vramgraph.graph.workflow import ui_to_api
+    from vramgraph.graph.workflow.parse import ui_to_api
     from vramgraph.nodes import ENGINE_NODES
 
     comfy_nodes = declared(info)
@@ -250,7 +250,7 @@ def templates(c: ComfyUI, info: dict, names: list[str], small: bool, timeout: fl
 def loader_probes(c: ComfyUI, info: dict, names: list[str], timeout: float) -> dict:
     """Each core loader of the templates alone, into ComfyUI's PreviewAny: which files its model detection takes (a
     template's run stops at the first loader that fails)."""
-    from vramgraph.graph.workflow import ui_to_api
+    from vramgraph.graph.workflow.parse import ui_to_api
 
     comfy_nodes, seen, out = declared(info), set(), {}
     for name in names:

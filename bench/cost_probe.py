@@ -1,8 +1,8 @@
-"""The cost probe the engine runs at start on a CUDA device (graph/costs.py), printed as JSON.
+"""The cost probe the engine runs at start on a CUDA device (graph/engine/costs.py), printed as JSON.
 
     python3 bench/cost_probe.py [OUT.json]
 
-Run it once on the H200 and set graph/costs.py's H200_MATMUL_FLOPS to the `matmul_flops` it prints, so that the
+Run it once on the H200 and set graph/engine/costs.py's H200_MATMUL_FLOPS to the `matmul_flops` it prints, so that the
 probe gives compute = 1.0 there (the node estimates' seconds are the H200's).
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
-from vramgraph.graph import costs
+from vramgraph.graph.engine import costs
 
 
 def main() -> None:

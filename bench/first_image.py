@@ -5,7 +5,7 @@ its first image against one prompt's time alone, and its total against the old o
 
 Same random klein-4B checkpoints and Engine as bench/plan_matrix.py; every case starts with all weights in pinned
 host RAM and nothing on the GPU. The first image is the first save node's "executed" event. The old order is the
-planner's with graph/early.py's pass left out (for this bench only). Targets: first image <= 1.3x one prompt alone,
+planner's with graph/plan/early.py's pass left out (for this bench only). Targets: first image <= 1.3x one prompt alone,
 total no worse than the old order, the same loads.
 """
 
@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env, write_report
 from plan_matrix import ROOT, prompt_for, reset, write_models
-from vramgraph.graph import planner
-from vramgraph.graph.budget import budget_for
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import budget_for
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
 from vramgraph.nodes.files import Folders
 
 
@@ -74,7 +74,7 @@ def main() -> None:
     cases = {"single": [timed_run(engine, [prompt_for(a.side, 50 + k)]) for k in range(2)],
              "queue_new": timed_run(engine, prompts)}
     early = planner.finish_early
-    planner.finish_early = lambda order, *args, **kw: list(order)  # the order before graph/early.py
+    planner.finish_early = lambda order, *args, **kw: list(order)  # the order before graph/plan/early.py
     try:
         cases["queue_old"] = timed_run(engine, [prompt_for(a.side, 20 + i) for i in range(a.n)])
     finally:

@@ -41,10 +41,10 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env, write_report
 from plan_matrix import ROOT, prompt_for, reset, write_models
-from vramgraph.graph import planner
-from vramgraph.graph.budget import budget_for
-from vramgraph.graph.errors import InterruptedRun, NodeExecutionError
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import budget_for
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
+from vramgraph.graph.workflow.errors import InterruptedRun, NodeExecutionError
 from vramgraph.models.vae import ResnetBlock
 from vramgraph.nodes import ops
 from vramgraph.nodes.files import Folders

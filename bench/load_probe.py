@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env
-from vramgraph.graph.budget import budget_for
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import budget_for
+from vramgraph.graph.engine.executor import Engine
 from vramgraph.models import loading
 from vramgraph.nodes.files import Folders
 

@@ -36,7 +36,7 @@ any other planned rejection; both with the planner's message), oom (an allocatio
 to plan its rest again after one, `recovered`) or error; the plan (loads, unloads, bytes moved and streamed, resident
 blocks, variants, its table); per node the estimate (the activation, and for a streamed node also the weights it keeps
 and its staging buffers) against torch's measured peak above the weights resident when the node started (the
-executor's own measurement, graph/executor.py), and their ratio; torch's peak allocated and reserved; the device's
+executor's own measurement, engine/executor.py), and their ratio; torch's peak allocated and reserved; the device's
 memory in use at its peak (cudaMemGetInfo polled every `--poll-ms`, and NVML's where nvidia-ml-py answers) minus the
 card; the CUDA context (total - free - torch's reserved) before and after; the run's wall time (`seconds`) and the
 cell's reset, pinning and planning before it (`prepare_s`).
@@ -65,11 +65,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import plan_cells
 from _common import DevicePoll, GiB, env
 from plan_matrix import ROOT, reset, write_models
-from vramgraph.graph import budget as budget_mod
-from vramgraph.graph import planner
-from vramgraph.graph.budget import budget_for
-from vramgraph.graph.executor import Engine
-from vramgraph.graph.runtime import demo_image
+from vramgraph.graph.engine import budget as budget_mod
+from vramgraph.graph.engine.budget import budget_for
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.engine.runtime import demo_image
+from vramgraph.graph.plan import planner
 from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
 from vramgraph.nodes.files import Folders
 
@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workflows", default=WORKFLOWS, help="shipped workflows (names in workflows/, without .json)")
     ap.add_argument("--steps", type=int, default=None, help="steps per image (default: the fewest that plan as the "
                     "workflow's own steps do)")
-    ap.add_argument("--margin-gib", type=float, default=None, help="CARD_MARGIN for this run (graph/budget.py)")
-    ap.add_argument("--reserve-gib", type=float, default=None, help="--reserve for this run (graph/planner.py "
+    ap.add_argument("--margin-gib", type=float, default=None, help="CARD_MARGIN for this run (graph/engine/budget.py)")
+    ap.add_argument("--reserve-gib", type=float, default=None, help="--reserve for this run (graph/plan/planner.py "
                     "DEFAULT_RESERVE by default)")
     ap.add_argument("--context", choices=("start", "now"), default="start", help="the CUDA context the budget counts: "
                     "measured at this process's start (a fresh CLI process), or before each cell")
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     t_start = time.perf_counter()
     cuda = not a.cpu
-    # the context a fresh process measures (graph/budget.py: after cuBLAS is initialised), before this one has run
-    # any other kernel; without the BLAS workspace and the card margin, which budget_for adds to the context it is
+    # the context a fresh process measures (graph/engine/budget.py: after cuBLAS is initialised), before this one has
+    # run any other kernel; without the BLAS workspace and the card margin, which budget_for adds to the context it is
     # given (Budget.outside_allocator holds all three: the bench counted the margin twice up to 03574f7)
     if cuda:
         budget_mod.blas_workspace(0)

@@ -5,7 +5,7 @@
     python3 bench/plan_matrix.py OUT.json --plan-only ...      (the same)
 
 Every shipped workflow is planned with the built-in klein-4B sizes, for each card with the budget the GPU run
-computes for that card (graph/budget.py `card_budget`, with the CUDA context estimate) and --host of host RAM (64 GiB
+computes for that card (engine/budget.py `card_budget`, with the CUDA context estimate) and --host of host RAM (64 GiB
 unless told: pinned copies of every model fit, as on the GPU host, whatever this machine has free), as one queue of N
 prompts (new text and seed each, as `vramgraph run a.json b.json` or `generate -p .. -p ..` plans them).
 Reported per cell: rejected (which node, the budget it would need), loads, bytes moved by Load steps
@@ -15,7 +15,7 @@ estimated queue, validation and estimates apart), and `grouped_gib`: the fewest 
 together, that any whole-model residency moves when the same runs (the same variants) go in the grouped order
 (encode every prompt, then each later stage for every prompt), by an exact dynamic programme over the resident sets
 (as ../shared/tools/plan_bound.py, with this cell's sizes); a streamed run there costs the bytes of the blocks the
-planner would keep and stream in the room that resident set leaves (graph/residency.py `choose`), so a VAE kept
+planner would keep and stream in the room that resident set leaves (graph/plan/residency.py `choose`), so a VAE kept
 beside a streamed sampler is paid for in streamed blocks, as in the plan. The acceptance is gib_moved + gib_streamed
 <= 1.05 x grouped_gib in every cell, and planning time for 64 queued prompts.
 """
@@ -48,7 +48,7 @@ def _import():
 
 
 def prompts_for(workflow: str, side: int, n: int) -> list[dict]:
-    from vramgraph.graph.api import load, resize
+    from vramgraph.api.pipeline import load, resize
 
     out = []
     for i in range(n):
@@ -70,7 +70,7 @@ def grouped_optimum(plan, node_costs: dict, models: dict) -> tuple[int, int] | N
     the grouped order, over all whole-model residencies: a dynamic programme over the subsets of the models (integer
     bytes). A streamed run costs its block plan's bytes in the room the resident set leaves, chosen as the planner
     chooses it."""
-    from vramgraph.graph import residency
+    from vramgraph.graph.plan import residency
 
     runs = []
     for s in plan.steps:
@@ -112,7 +112,8 @@ def grouped_optimum(plan, node_costs: dict, models: dict) -> tuple[int, int] | N
 
 
 def cell(planning, workflow: str, side: int, n: int, card: int) -> dict:
-    from vramgraph.graph import estimate, planner, queue
+    from vramgraph.graph.plan import planner
+    from vramgraph.graph.workflow import estimate, queue
 
     prompts = prompts_for(workflow, side, n)
     merged = queue.merge(prompts, frozenset({"VGSaveImage", "SaveImage", "PreviewImage"})) if n > 1 else None
@@ -151,13 +152,13 @@ def cell(planning, workflow: str, side: int, n: int, card: int) -> dict:
 
 def planning_for(card: int, profile: str | None, host: str = HOST):
     """The torch-free planning context `vramgraph plan --vram CARD --host HOST` uses (klein sizes, no weights)."""
-    from vramgraph.graph.api import Pipeline
+    from vramgraph.api.pipeline import Pipeline
 
     return Pipeline(input=str(INPUT), host=host, profile=profile)._planner(f"{card}GiB")
 
 
 def demo_inputs() -> None:
-    from vramgraph.graph.runtime import DEMO_IMAGES, demo_image
+    from vramgraph.graph.engine.runtime import DEMO_IMAGES, demo_image
 
     INPUT.mkdir(parents=True, exist_ok=True)
     for i, (name, size) in enumerate(DEMO_IMAGES.items()):  # the images the edit workflows load
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workflows", default=",".join(WORKFLOWS))
     ap.add_argument("--q64", default="text_to_image.json,edit.json", help="workflows also planned as 64 prompts "
                     "(at every card, 1024²) for the planning time")
-    ap.add_argument("--profile", default=None, help="a cost profile name (graph/costs.py), default the planner's")
+    ap.add_argument("--profile", default=None, help="a cost profile name (engine/costs.py), default the planner's")
     ap.add_argument("--host", default=HOST, help="host RAM the plans may use (default %(default)s: not what this "
                     "machine has free, so that the cells do not change with it)")
     a = ap.parse_args(argv)

@@ -21,7 +21,7 @@ import logging
 import sys
 
 import plan_cells
-from plan_time import _other
+from plan_time import _other, planner_of
 
 
 def _text(p) -> tuple:
@@ -55,9 +55,10 @@ def main() -> None:
     a = ap.parse_args()
     logging.disable(logging.WARNING)  # (pass 1's host RAM warnings, the same from both)
     plan_cells._import()
-    from vramgraph.graph import estimate, planner, queue
+    from vramgraph.graph.plan import planner
+    from vramgraph.graph.workflow import estimate, queue
 
-    other = _other(a.against).graph.planner
+    other = planner_of(_other(a.against))
     plan_cells.demo_inputs()
     workflows = plan_cells.WORKFLOWS if a.workflows == "all" else tuple(a.workflows.split(","))
     cells = differ = rejected = 0

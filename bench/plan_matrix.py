@@ -31,9 +31,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env, peak_bytes
-from vramgraph.graph import planner
-from vramgraph.graph.budget import budget_for
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import budget_for
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
 from vramgraph.models.flux2 import KLEIN_4B, Flux2Transformer
 from vramgraph.models.qwen3 import Qwen3Config, Qwen3Encoder
 from vramgraph.models.tiny import SHIPPED_NAMES
@@ -158,7 +158,7 @@ def run_cell(engine: Engine, card: int, side: int) -> dict:
 
 
 def _planner_inputs(engine: Engine, prep):  # the planner alone, timed apart from validation and estimates
-    from vramgraph.graph import estimate
+    from vramgraph.graph.workflow import estimate
 
     node_costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
     for key, e in engine.ledger.entries.items():

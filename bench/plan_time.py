@@ -37,9 +37,23 @@ def _other(checkout: str):
     link = Path(tempfile.mkdtemp()) / "vg_against"
     link.symlink_to(Path(checkout).resolve(), target_is_directory=True)
     sys.path.insert(0, str(link.parent))
-    importlib.import_module("vg_against.graph.planner")
-    importlib.import_module("vg_against.graph.api")
-    return sys.modules["vg_against"]
+    return sys.modules[importlib.import_module("vg_against").__name__]
+
+
+def planner_of(pkg):
+    """The planner module of another checkout: graph/plan/planner.py, or graph/planner.py before the rooms."""
+    try:
+        return importlib.import_module(f"{pkg.__name__}.graph.plan.planner")
+    except ImportError:
+        return importlib.import_module(f"{pkg.__name__}.graph.planner")
+
+
+def pipeline_of(pkg):
+    """The Pipeline class of another checkout: api/pipeline.py, or graph/api.py before the rooms."""
+    try:
+        return importlib.import_module(f"{pkg.__name__}.api.pipeline").Pipeline
+    except ImportError:
+        return importlib.import_module(f"{pkg.__name__}.graph.api").Pipeline
 
 
 def _timed(call, repeat: int) -> list[float]:
@@ -64,10 +78,11 @@ def main() -> None:
     ap.add_argument("--prepare", type=int, default=0, help="calls of the whole of planning to time (0: none)")
     a = ap.parse_args()
     plan_cells._import()
-    from vramgraph.graph import estimate, planner, queue
+    from vramgraph.graph.plan import planner
+    from vramgraph.graph.workflow import estimate, queue
 
     other_pkg = _other(a.against) if a.against else None
-    other = other_pkg.graph.planner if other_pkg else None
+    other = planner_of(other_pkg) if other_pkg else None
     plan_cells.demo_inputs()
     workflows = list(plan_cells.WORKFLOWS) if a.workflows == ["all"] else a.workflows
     rows = []
@@ -104,7 +119,7 @@ def main() -> None:
                     whole = _timed(functools.partial(planning.prepare, merged.prompt), a.prepare)
                     row.update(prepare_min_ms=round(min(whole) * 1e3, 2))
                 elif a.prepare:
-                    theirs_all = functools.partial(other_pkg.graph.api.Pipeline(
+                    theirs_all = functools.partial(pipeline_of(other_pkg)(
                         input=str(plan_cells.INPUT), host=plan_cells.HOST)._planner(f"{card}GiB").prepare,
                         merged.prompt)
                     whole, whole_against = [], []

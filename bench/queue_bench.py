@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import GiB, env
 from plan_matrix import ROOT, prompt_for, reset, write_models
-from vramgraph.graph import planner
-from vramgraph.graph.budget import budget_for
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import budget_for
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
 from vramgraph.nodes.files import Folders
 
 

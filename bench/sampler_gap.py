@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import oom_matrix
 from _common import GiB, env, write_report
 from plan_matrix import ROOT, reset, write_models
-from vramgraph.graph import planner
-from vramgraph.graph.budget import budget_for
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import budget_for
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
 from vramgraph.models.flux2 import KLEIN_4B, Flux2Transformer
 from vramgraph.nodes import ops
 from vramgraph.nodes.files import Folders

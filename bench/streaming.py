@@ -8,7 +8,7 @@ weights in pinned host RAM and nothing on the GPU and runs two images (new promp
 
 - "constants": pinned host->GPU bandwidth (one 2 GiB copy), the bandwidth of block-sized copies of separate
   tensors (one klein-4B single block) alone and while a block computes on the other stream, and one double and
-  one single block's compute time at 1024² and 2048² (the constants graph/residency.py and nodes/estimates.py use);
+  one single block's compute time at 1024² and 2048² (the constants graph/plan/residency.py and nodes/estimates.py use);
 - "exact": the streamed sampler (some blocks resident, the others streamed) against the resident one on the GPU,
   bit for bit;
 - the cells (uncapped, 8 GiB and 6 GiB at 1024², uncapped and 10 GiB at 2048²): plan text, per-node predicted vs
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 from _common import GiB, env
 from plan_matrix import ROOT, prompt_for, reset, run_cell, write_models
-from vramgraph.graph.budget import budget_for
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import budget_for
+from vramgraph.graph.engine.executor import Engine
 from vramgraph.models.sampling import image_ids, rope_table, sample, text_ids
 from vramgraph.models.streaming import _tensors, stream_blocks
 from vramgraph.nodes.files import Folders

@@ -29,9 +29,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import env
 from plan_matrix import ROOT, prompt_for, write_models
-from vramgraph.graph.budget import budget_for
-from vramgraph.graph.devices import Devices
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import budget_for
+from vramgraph.graph.engine.devices import Devices
+from vramgraph.graph.engine.executor import Engine
 from vramgraph.nodes.files import Folders
 
 

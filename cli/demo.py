@@ -12,7 +12,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..graph.api import Pipeline, load, resize
+from ..api.pipeline import Pipeline, load, resize
 
 
 def run_demo(out: Path, size: int = 256) -> tuple[list[Path], float]:

@@ -8,7 +8,7 @@
     vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB] [--broker amqp://...]
     vramgraph worker --broker amqp://... --models DIR [--vram 80GiB]
 
-Every command is a thin layer over the Python API (graph/api.py). Models resolve under a ComfyUI-style
+Every command is a thin layer over the Python API (api/pipeline.py). Models resolve under a ComfyUI-style
 models folder (diffusion_models/ or unet/, text_encoders/ or clip/, vae/, checkpoints/) given by --models,
 $VRAMGRAPH_MODELS, or "models" in a config file (--config, else ./vramgraph.json, else
 ~/.config/vramgraph/config.json); --demo uses tiny random-weight models instead. Errors are one line
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..graph.costs import PROFILES
-from ..graph.planner import DEFAULT_RESERVE
-from ..graph.runtime import DEMO_FOLDER, Settings, folders_from, no_models_hint, prepare_demo
+from ..graph.engine.costs import PROFILES
+from ..graph.engine.runtime import DEMO_FOLDER, Settings, folders_from, no_models_hint, prepare_demo
+from ..graph.plan.planner import DEFAULT_RESERVE
 
 log = logging.getLogger("vramgraph")
 GENERATE_OPTIONS = {"width": "--width", "height": "--height", "steps": "--steps", "guidance": "--guidance",
@@ -191,7 +191,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _pipeline(args: argparse.Namespace, **kw: Any) -> Any:
-    from ..graph.api import Pipeline
+    from ..api.pipeline import Pipeline
 
     return Pipeline(settings=_settings(args), **kw)
 
@@ -233,7 +233,7 @@ def _run(args: argparse.Namespace) -> int:
     pipe = _pipeline(args)
     pipe.previews = bool(args.preview)
     sets = parse_sets(args.set)
-    from ..graph.api import load
+    from ..api.pipeline import load
 
     for w in args.workflow:  # a bad --set is the user's, before anything loads
         load(w, sets, prefix="--set ")
@@ -248,9 +248,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from ..graph.api import load
-    from ..graph.errors import WorkflowError
-    from ..graph.validate import validate
+    from ..api.pipeline import load
+    from ..graph.workflow.errors import WorkflowError
+    from ..graph.workflow.validate import validate
     from ..nodes import ENGINE_NODES
 
     folders = folders_from(_settings(args))
@@ -292,7 +292,7 @@ def _api_like(path: Path) -> dict | None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ..graph.timeline import timeline_svg
+    from ..graph.draw.timeline import timeline_svg
 
     pipe = _pipeline(args)
     pipe.settings = pipe.settings.replace(host=args.host)
@@ -313,7 +313,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _plan_devices(pipe: Any, args: argparse.Namespace) -> int:
     """`plan --devices`: the placement on several devices, one plan table (and one timeline lane) per device."""
-    from ..graph.timeline import timeline_svg
+    from ..graph.draw.timeline import timeline_svg
 
     several = args.workflow if len(args.workflow) > 1 else args.workflow[0]
     prep, placed, cards = pipe.placed(several, size=args.size, set=parse_sets(args.set), prompts=args.prompts)
@@ -354,7 +354,7 @@ def _generate(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from ..graph.api import check_generate
+    from ..api.pipeline import check_generate
 
     texts = _prompts(args)
     check_generate(width=args.width, height=args.height, steps=args.steps, guidance=args.guidance, seed=args.seed,
@@ -466,7 +466,7 @@ def _validation_lines(response: dict) -> list[str]:
 
 def _say_error(args: argparse.Namespace, e: BaseException, body: dict | None) -> None:
     """One line on stderr, or ComfyUI's JSON with --json."""
-    from ..graph.errors import NodeExecutionError, ValidationFailed
+    from ..graph.workflow.errors import NodeExecutionError, ValidationFailed
 
     if getattr(args, "json", False) and body is not None:
         print(json.dumps(body, indent=1, default=str), file=sys.stderr)
@@ -503,8 +503,8 @@ def main(argv: list[str] | None = None, commands: Mapping[str, Callable[[argpars
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv or ["session"])
-    from ..graph.errors import InterruptedRun, VramgraphError
-    from ..graph.planner import PlanError
+    from ..graph.plan.planner import PlanError
+    from ..graph.workflow.errors import InterruptedRun, VramgraphError
     from ..models.headers import CheckpointError
 
     try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..graph.api import check_generate
+from ..api.pipeline import check_generate
 from ..nodes.output import next_counter
 
 HELP = __doc__.split("\n\n", 2)[2]
@@ -36,7 +36,7 @@ def describe_moves(events: list) -> str:
 
 @dataclass
 class Session:
-    """State of an interactive session over a Pipeline (graph/api.py); `handle(line, say)` shows its messages."""
+    """State of an interactive session over a Pipeline (api/pipeline.py); `handle(line, say)` shows its messages."""
 
     pipe: Any
     width: int = 1024

@@ -9,9 +9,9 @@ compute (double buffering). The compute stream waits on the copy's event, never 
 is cyclic: after the last streamed block of a pass the first one of the next pass is prefetched.
 
 The weights that stay for the node (outside the blocks, and the resident blocks) go into ONE device buffer. Given a
-`Kept` (the ledger's, graph/ledger.py), that buffer outlives the node: on exit it is handed to the `Kept`, and the
+`Kept` (the ledger's, engine/ledger.py), that buffer outlives the node: on exit it is handed to the `Kept`, and the
 next node that streams the same model with the same resident blocks computes from it without copying them again
-(the plan counts it as a part of the model kept on the GPU between the two nodes, graph/planner.py). A kept
+(the plan counts it as a part of the model kept on the GPU between the two nodes, graph/plan/planner.py). A kept
 buffer for other blocks is freed on entry, before anything is allocated.
 
 The module says which submodules are its blocks, in the order a forward pass calls them

@@ -1,6 +1,6 @@
 """The one model catalogue: model infos by kind and file, the tokenizers beside them, their labels.
 
-Both runtimes use it: our engine (graph/executor.py), which resolves names under its `Folders`, and
+Both runtimes use it: our engine (graph/engine/executor.py), which resolves names under its `Folders`, and
 the context our nodes get inside ComfyUI (nodes/comfy.py), which resolves them through ComfyUI's
 `folder_paths` and asks for the info of the file it found (`info_at`). Infos come from safetensors
 headers (read with json + struct) or, when the caller only plans and the file is absent, from the

@@ -154,7 +154,7 @@ UNKNOWN = Unknown()
 
 @dataclass(frozen=True)
 class Blocks:
-    """A model a node can run block by block with only some blocks on the GPU (graph/residency.py chooses which):
+    """A model a node can run block by block with only some blocks on the GPU (graph/plan/residency.py chooses which):
     the rest is streamed from its pinned host copy for every pass, through staging buffers on the GPU.
 
     `fixed` are the weights outside the blocks that stay on the GPU for the whole node (embeddings, modulation,
@@ -192,7 +192,7 @@ class Blocks:
 @dataclass(frozen=True)
 class Variant:
     """One way a node can run (full GPU, tiled, CPU, streamed): what a node's estimate offers and the planner
-    chooses from. The planner (graph/planner.py) takes these as they are."""
+    chooses from. The planner (graph/plan/planner.py) takes these as they are."""
 
     name: str  # "gpu", "tiled", "cpu", "host", "stream"
     models: tuple[str, ...] = ()  # model keys that must be resident on the GPU while it runs

@@ -68,7 +68,7 @@ def add_comfy_routes(routes: web.RouteTableDef) -> None:
 
     def planner() -> Any:
         if not made:  # on the first plan, when ComfyUI has loaded its nodes and every pack's
-            from ..graph.executor import Engine
+            from ..graph.engine.executor import Engine
             from ..nodes import ENGINE_NODES
             from ..nodes.comfy import comfy_folders
             from ..nodes.foreign import comfy_stand_ins
@@ -102,7 +102,7 @@ async def _index(request: web.Request) -> web.StreamResponse:
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
              batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None,
              cors: str | None = None, broker: str | None = None, frontend_id: str | None = None) -> web.Application:
-    """The aiohttp application over `engine` (a graph.executor.Engine).
+    """The aiohttp application over `engine` (a graph.engine.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
     second Engine on the same folders and budget that may plan with built-in model sizes when files are
@@ -115,7 +115,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     origin checks (security.py). `broker` (an AMQP URL) makes the app a frontend (broker.py): prompts are planned
     here for the engine's budget (the reference card) and published; workers run them.
     """
-    from ..graph.executor import Engine
+    from ..graph.engine.executor import Engine
 
     mimetypes.add_type("text/javascript", ".mjs")
     planner = planner or Engine(engine.folders, device=str(engine.device), dtype=engine.dtype, budget=engine.budget,
@@ -222,7 +222,7 @@ class ServerThread:
 def serve(args: argparse.Namespace) -> int:
     """`vramgraph serve`: the engine from the command line's options (--demo already applied to them), served
     until Ctrl-C. It says where it listens only once the socket is bound; a busy port is a ValueError."""
-    from ..graph.runtime import engine_from
+    from ..graph.engine.runtime import engine_from
 
     url = getattr(args, "broker", None)
     if url:  # a frontend: the AMQP client and a usable URL, checked before anything is loaded

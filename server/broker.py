@@ -391,8 +391,8 @@ class FrontendRoutes(Routes):
         return [*super().table(), ("GET", "/vramgraph/fleet", self.fleet)]
 
     async def post_prompt(self, request: web.Request) -> web.Response:
-        from ..graph.errors import ValidationFailed
-        from ..graph.planner import PlanError
+        from ..graph.plan.planner import PlanError
+        from ..graph.workflow.errors import ValidationFailed
 
         admitted = await self.admit(request)
         if isinstance(admitted, web.Response):

@@ -402,7 +402,7 @@ def run_in_thread(worker: FleetWorker) -> threading.Thread:
 
 def work(args: argparse.Namespace) -> int:
     """`vramgraph worker`: the engine from the command line's options, consuming until Ctrl-C."""
-    from ..graph.runtime import engine_from
+    from ..graph.engine.runtime import engine_from
 
     broker.amqp()
     broker.check_url(args.broker)

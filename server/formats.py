@@ -3,7 +3,7 @@
 
 `api_to_ui` lets the page save a workflow in the UI format ComfyUI's front end opens: when the prompt
 came from a UI file, that file with its widget values updated; otherwise a new UI graph laid out in
-columns by depth, whose conversion back (`graph.workflow.ui_to_api`) gives the prompt again.
+columns by depth, whose conversion back (`graph.workflow.parse.ui_to_api`) gives the prompt again.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import networkx as nx
 
-from ..graph.validate import input_types
-from ..graph.workflow import WidgetSlot, widget_positions, widget_slots
+from ..graph.workflow.parse import WidgetSlot, widget_positions, widget_slots
+from ..graph.workflow.validate import input_types
 from ..nodes.types import is_link
 
 GiB = 2**30
@@ -47,7 +47,7 @@ def object_info(nodes: Mapping[str, type], folders: Any = None) -> dict:
 
 
 def _ram() -> tuple[int, int]:
-    from ..graph.budget import host_available
+    from ..graph.engine.budget import host_available
 
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -6,14 +6,14 @@ only thread that calls the engine: it turns the engine's events into ComfyUI's w
 history entries.
 
 Batches: when the worker takes a prompt and more are already pending, it takes those too (up to
-`max_batch`, in queue order) and runs them as one merged graph (graph/queue.py), so N images share one
+`max_batch`, in queue order) and runs them as one merged graph (graph/workflow/queue.py), so N images share one
 load of each model. Every client still sees ComfyUI's per-prompt events with its own node ids, and a
 prompt finishes (history entry, execution_success, executing None) as soon as its last node has run.
 If a node of the batch fails, the prompts not yet complete run again one by one, so each error is
 reported as it would be alone.
 
 Interrupts: /interrupt with a running prompt's id stops that prompt alone. The worker asks the engine to
-give up that prompt's output nodes (graph.executor.Cancel): the nodes only they need leave the rest of the
+give up that prompt's output nodes (graph.engine.executor.Cancel): the nodes only they need leave the rest of the
 plan (the one running stops at its next progress report), the nodes other prompts need too (loaders, a
 shared encode) run on, and every other prompt of the batch finishes with the image it would have had. That
 prompt alone gets `execution_interrupted`. /interrupt without an id stops what is running, every incomplete
@@ -202,7 +202,7 @@ class Worker:
         self._lock = threading.Lock()  # guards the three below: /interrupt's thread against the worker's
         self._stopping: set[str] = set()  # taken prompts asked to stop (a targeted /interrupt)
         self._targets: dict[str, tuple[str, ...]] = {}  # running prompt -> its output nodes in the running graph
-        self._cancel: Any = None  # the running graph's graph.executor.Cancel
+        self._cancel: Any = None  # the running graph's graph.engine.executor.Cancel
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="vramgraph-worker", daemon=True)
@@ -269,10 +269,10 @@ class Worker:
                 self.engine.free(bool(flags.get("unload_models")), bool(flags.get("free_memory")))
 
     def execute(self, item: Item) -> None:
-        from ..graph.errors import InterruptedRun, NodeExecutionError, ValidationFailed
-        from ..graph.executor import Cancel
-        from ..graph.planner import PlanError
-        from ..graph.timeline import timeline_data, timeline_svg
+        from ..graph.draw.timeline import timeline_data, timeline_svg
+        from ..graph.engine.executor import Cancel
+        from ..graph.plan.planner import PlanError
+        from ..graph.workflow.errors import InterruptedRun, NodeExecutionError, ValidationFailed
 
         pid, prompt, extra = item[1:4]
         sid = extra.get("client_id")
@@ -396,9 +396,9 @@ class Worker:
 
     def execute_batch(self, items: list[Item]) -> None:
         """Run several queued prompts as one merged graph, each reported to its client as if it ran alone."""
-        from ..graph.errors import InterruptedRun
-        from ..graph.executor import Cancel
-        from ..graph.timeline import timeline_data, timeline_svg
+        from ..graph.draw.timeline import timeline_data, timeline_svg
+        from ..graph.engine.executor import Cancel
+        from ..graph.workflow.errors import InterruptedRun
 
         try:
             prep, merged = self.engine.prepare_queue([i[2] for i in items], [i[3].get("extra_pnginfo") for i in items],

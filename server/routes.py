@@ -116,7 +116,7 @@ class Routes:
     async def admit(self, request: web.Request) -> tuple[Any, int, str, Any] | web.Response:
         """POST /prompt's first half, the same with or without a broker: the body read, the prompt numbered, a known
         prompt id refused, the prompt validated. (request, number, prompt id, validation), or the answer to give."""
-        from ..graph.validate import validate
+        from ..graph.workflow.validate import validate
 
         req = prompt_request(await _body(request))
         if req.number is not None:
@@ -282,8 +282,8 @@ class Routes:
         return await plan_response(request, lambda: self.planner, self._plan_lock)
 
     async def convert(self, request: web.Request) -> web.Response:
-        from ..graph.errors import WorkflowError
-        from ..graph.workflow import load_workflow
+        from ..graph.workflow.errors import WorkflowError
+        from ..graph.workflow.parse import load_workflow
 
         body = await _body(request)
         data = body.get("workflow") if isinstance(body, dict) and "workflow" in body else body
@@ -321,9 +321,9 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
     """POST {"prompt": API format, "name"?: workflow name} -> {"plan", "timeline", "svg", "table", "unplanned"} (svg:
     the plan's picture, the same drawing as `vramgraph plan --svg`; unplanned: the nodes planned by stand-ins,
     nodes/foreign.py), or ComfyUI's error body (HTTP 400)."""
-    from ..graph.errors import NodeExecutionError, ValidationFailed, VramgraphError
-    from ..graph.planner import PlanError
-    from ..graph.timeline import timeline_data, timeline_svg
+    from ..graph.draw.timeline import timeline_data, timeline_svg
+    from ..graph.plan.planner import PlanError
+    from ..graph.workflow.errors import NodeExecutionError, ValidationFailed, VramgraphError
     from ..nodes.foreign import unplanned
 
     try:  # inside ComfyUI (add_comfy_routes) no middleware of ours answers a BadRequest

@@ -1,4 +1,4 @@
-"""The Python API (graph/api.py): a Pipeline over tiny random-weight models, on the CPU.
+"""The Python API (api/pipeline.py): a Pipeline over tiny random-weight models, on the CPU.
 
 Generations are 64x64 so the file runs in seconds; the same budget, planner and errors as the command line.
 """
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 from vramgraph import Pipeline
-from vramgraph.graph import planner
-from vramgraph.graph.errors import ValidationFailed
-from vramgraph.graph.prompts import build_prompt, find_roles
-from vramgraph.graph.validate import validate
+from vramgraph.graph.plan import planner
+from vramgraph.graph.workflow.errors import ValidationFailed
+from vramgraph.graph.workflow.roles import build_prompt, find_roles
+from vramgraph.graph.workflow.validate import validate
 from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.files import Folders
 
@@ -40,7 +40,7 @@ def test_import_is_light_and_pipeline_is_lazy() -> None:
     code = ("import sys, vramgraph; assert 'torch' not in sys.modules; from vramgraph import Pipeline; "
             "assert 'torch' not in sys.modules; print(Pipeline.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["vramgraph.graph.api"]
+    assert out.stdout.split() == ["vramgraph.api.pipeline"]
 
 
 def test_generate_records_the_seed_and_keeps_models(pipe: Pipeline) -> None:

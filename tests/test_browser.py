@@ -55,8 +55,8 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from vramgraph.graph.budget import budget_for
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.budget import budget_for
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes.files import Folders
     from vramgraph.server.app import ServerThread, make_app
@@ -186,7 +186,7 @@ return {count: boxes.length, overlaps, outside, texts: boxes.map((b) => b.text),
 
 def _queue_of_eight(path: Path) -> None:
     """Eight text-to-image prompts (64x64, own seeds and texts) merged into one workflow, as the server queues them."""
-    from vramgraph.graph.queue import merge
+    from vramgraph.graph.workflow.queue import merge
 
     wf = json.loads((ROOT / "workflows" / "text_to_image.json").read_text())
     prompts = []

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from vramgraph.graph.errors import InterruptedRun, NodeExecutionError
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.workflow.errors import InterruptedRun, NodeExecutionError
 from vramgraph.models.tiny import write_tiny_models
 from vramgraph.nodes.files import Folders, fingerprint, identity
 

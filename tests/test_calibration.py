@@ -90,7 +90,7 @@ def test_the_fit_is_the_formula_the_planner_uses(points: dict) -> None:
 # ------------------------------------------------------------------------------ measured peaks against estimates
 
 def _run(tiny_models: Path, input_dir: Path, out: Path, device: str, nodes: dict | None = None) -> tuple:
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.nodes import ENGINE_NODES
     from vramgraph.nodes.files import Folders
 
@@ -108,7 +108,7 @@ def test_a_node_over_its_estimate_is_flagged_with_the_numbers(tiny_models: Path,
     report with a GPU-sized measurement put in is flagged exactly when the measurement passes the estimate."""
     import dataclasses
 
-    from vramgraph.graph.executor import estimate_exceeded
+    from vramgraph.graph.engine.executor import estimate_exceeded
 
     result, events = _run(tiny_models, input_dir, tmp_path, "cpu")
     assert not [d for k, d in events if k == "vg_estimate_exceeded"]
@@ -158,8 +158,8 @@ def test_a_prompt_thread_makes_its_own_blas_workspace_before_its_nodes(tiny_mode
     no node measures it (the server's first text encode had measured 0.072 GiB against an estimate of 0.044)."""
     import threading
 
-    from vramgraph.graph import budget as budget_mod
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine import budget as budget_mod
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.nodes.files import Folders
 
     prompt = json.loads((Path(__file__).resolve().parents[1] / "workflows" / "text_to_image.json").read_text())

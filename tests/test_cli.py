@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from test_validate import CASES
 from vramgraph.cli import main
-from vramgraph.graph.workflow import load_workflow
+from vramgraph.graph.workflow.parse import load_workflow
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "workflows"
@@ -44,8 +44,8 @@ def text_chunks(path: Path) -> tuple[tuple[int, int], dict[str, str]]:
 
 def expected_prompt(path: Path, sets: list[str]) -> dict:
     """The API prompt `vramgraph run` runs: the file (converted if UI format) with the --set values."""
+    from vramgraph.api.pipeline import apply_sets
     from vramgraph.cli.main import parse_sets
-    from vramgraph.graph.api import apply_sets
 
     return apply_sets(load_workflow(path).prompt, parse_sets([s for s in sets if s != "--set"]))
 
@@ -77,7 +77,7 @@ def test_run_ui_format_embeds_the_workflow(tiny_models: Path, input_dir: Path, t
     """A UI-format file (ComfyUI's text-to-image template, a subgraph) also gets the `workflow` chunk: the file with
     the --set values written where the UI keeps them, so that ComfyUI opening the PNG queues the prompt that ran;
     and the PNG itself runs again (`vramgraph run picture.png`) to the same picture."""
-    from vramgraph.graph.workflow import ui_to_api
+    from vramgraph.graph.workflow.parse import ui_to_api
     from vramgraph.nodes import ENGINE_NODES
 
     src = template("image_flux2_klein_text_to_image.json")

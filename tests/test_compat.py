@@ -83,7 +83,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folders):
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ServerThread, make_app
 
     with ServerThread(make_app(Engine(folders, nodes=NODES), user_dir=folders.input.parent / "user")) as srv:
@@ -202,7 +202,7 @@ def test_settings_and_user_data_are_read_only(server, folders):
 
 
 def test_no_user_folder_means_no_settings(folders):
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ServerThread, make_app
 
     with ServerThread(make_app(Engine(folders, nodes=NODES), start_worker=False)) as srv:
@@ -310,7 +310,7 @@ def test_exception_message_has_no_type_prefix(server):
 
 def test_partial_execution_targets_run_only_those_outputs(folders):
     """One prompt alone and two planned as one batch: each runs only its partial_execution_targets."""
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ROUTES, ServerThread, make_app
 
     app = make_app(Engine(folders, nodes=NODES), start_worker=False)
@@ -340,7 +340,7 @@ def test_partial_execution_targets_run_only_those_outputs(folders):
 
 def test_jobs(folders):
     """Pending, running, completed, failed and cancelled prompts in ComfyUI's /api/jobs shape."""
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ROUTES, ServerThread, make_app
 
     app = make_app(Engine(folders, nodes=NODES), start_worker=False, batch=False)

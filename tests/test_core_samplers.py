@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 from test_engine import core_text_to_image
-from vramgraph.graph.errors import NodeExecutionError, ValidationFailed
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.workflow.errors import NodeExecutionError, ValidationFailed
 from vramgraph.models import samplers, schedules
 from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.core import SAMPLERS, SCHEDULERS, WEIGHT_DTYPES, scheduled_sigmas

@@ -1,4 +1,4 @@
-"""Two devices in one process (graph/devices.py), on the CPU: two engines with their own budgets stand for two
+"""Two devices in one process (graph/engine/devices.py), on the CPU: two engines with their own budgets stand for two
 cards. The placement splits the models when a card cannot hold the text encoder beside the transformer, or the
 queue when each card holds a full set; the pictures are bit for bit the one-engine ones, the lanes run at once,
 and a failing lane stops the other with the failing node's error.
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_engine import _needs, folders_for, pixels, shipped
-from vramgraph.graph import placement, planner
-from vramgraph.graph.budget import Budget
-from vramgraph.graph.devices import Devices, devices_from
-from vramgraph.graph.errors import NodeExecutionError
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import Budget
+from vramgraph.graph.engine.devices import Devices, devices_from
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import placement, planner
+from vramgraph.graph.workflow.errors import NodeExecutionError
 from vramgraph.nodes import ops
 
 GiB = 2**30

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vramgraph.graph import planner
-from vramgraph.graph.budget import Budget
-from vramgraph.graph.errors import InterruptedRun, NodeExecutionError
-from vramgraph.graph.executor import Engine
-from vramgraph.graph.workflow import load_workflow
+from vramgraph.graph.engine.budget import Budget
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
+from vramgraph.graph.workflow.errors import InterruptedRun, NodeExecutionError
+from vramgraph.graph.workflow.parse import load_workflow
 from vramgraph.models import loading
 from vramgraph.models.pipeline import generate as pipeline_generate
 from vramgraph.models.pipeline import load_models

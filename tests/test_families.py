@@ -1,5 +1,5 @@
 """A workflow for a model vramgraph does not run is refused at validation by its model family, never with a
-missing-node message that blames a custom node (graph/families.py): over every template ComfyUI ships (PyPI:
+missing-node message that blames a custom node (graph/workflow/families.py): over every template ComfyUI ships (PyPI:
 comfyui-workflow-templates-json), and from model file headers when the files are present."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 from vramgraph.cli import main
-from vramgraph.graph.families import unsupported_model
-from vramgraph.graph.validate import validate
-from vramgraph.graph.workflow import load_workflow
+from vramgraph.graph.workflow.families import unsupported_model
+from vramgraph.graph.workflow.parse import load_workflow
+from vramgraph.graph.workflow.validate import validate
 from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.files import Folders
 

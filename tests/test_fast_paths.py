@@ -1,6 +1,6 @@
 """The planner's fast paths against the straightforward computations they replaced, exactly (==, not approx), on
-grids of cases: the streaming pipeline's time and the choice of resident blocks (graph/residency.py), the pass that
-finishes images early (graph/early.py), pass 3's look ahead for evictions (graph/assign.py `NextUse`), and the
+grids of cases: the streaming pipeline's time and the choice of resident blocks (graph/plan/residency.py), the pass that
+finishes images early (graph/plan/early.py), pass 3's look ahead for evictions (graph/plan/assign.py `NextUse`), and the
 plans of real queues with pass 3's remembered choices and the passes left out against every node weighed and every
 pass run (`planner._SHORTCUTS`).
 
@@ -18,12 +18,12 @@ from typing import Any
 
 import networkx as nx
 import pytest
-from vramgraph.graph import assign, planner, residency
-from vramgraph.graph.assign import Memo, NextUse
-from vramgraph.graph.early import FinishEarly
-from vramgraph.graph.order import Shape
-from vramgraph.graph.planner import ModelCost
-from vramgraph.graph.sizes import Sizes, all_fit, node_kinds
+from vramgraph.graph.plan import assign, planner, residency
+from vramgraph.graph.plan.assign import Memo, NextUse
+from vramgraph.graph.plan.early import FinishEarly
+from vramgraph.graph.plan.order import Shape
+from vramgraph.graph.plan.planner import ModelCost
+from vramgraph.graph.plan.sizes import Sizes, all_fit, node_kinds
 from vramgraph.nodes.types import Blocks, Variant
 
 MB = 10**6
@@ -182,7 +182,7 @@ def test_seconds_and_floor_against_the_replay(seed: int) -> None:
 
 
 def plain_finish_early(order, dag, prov, weights, gpu, resident=()):
-    """graph/early.py's pass as first written: every step walks the order left and every node's descendants."""
+    """graph/plan/early.py's pass as first written: every step walks the order left and every node's descendants."""
     need = {n: set(prov[n].models) for n in order}
     finishing = {n for n in order if all(need.get(d, set()) <= need[n] for d in nx.descendants(dag, n))}
     if not finishing:
@@ -274,7 +274,7 @@ def test_finish_early_is_the_plain_pass(seed: int) -> None:
     for order in orders(rng, dag):
         for gpu in (80, 90, 100, 140, 170, 250):
             start = rng.sample(sorted(WEIGHTS), rng.randint(0, 2))
-            names = list(dag)  # the pass sees nodes by number (graph/order.py `Shape`)
+            names = list(dag)  # the pass sees nodes by number (graph/plan/order.py `Shape`)
             number = {x: i for i, x in enumerate(names)}
             succs = [[number[s] for s in dag.successors(x)] for x in names]
             early = FinishEarly(succs, [number[x] for x in nx.topological_sort(dag)], [prov[x] for x in names],
@@ -297,7 +297,7 @@ def test_next_use_is_the_walk_along_the_order(seed: int, repeat: bool) -> None:
     pool = [Variant(f"v{k}", ms, act) for k, (ms, act) in enumerate(itertools.product(
         ((), ("te",), ("dit",), ("vae",), ("vae", "dit"), ("ref",)), (0, 5, 30, 90)))]
     n = rng.randint(1, 60)
-    order = list(range(n))  # nodes by number (graph/order.py `Shape`)
+    order = list(range(n))  # nodes by number (graph/plan/order.py `Shape`)
     prov = [rng.choice(pool) for _ in order]
     gpu = rng.choice((80, 100, 150, 300))
     memo = Memo([pool.index(prov[x]) for x in order])  # a kind per provisional variant, as plan() makes them
@@ -340,8 +340,8 @@ def queued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workflow: str, card_
     (bench/plan_cells.py), with the input images the edits load in `tmp_path`."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     import plan_cells
-    from vramgraph.graph import estimate
-    from vramgraph.graph import queue as queue_mod
+    from vramgraph.graph.workflow import estimate
+    from vramgraph.graph.workflow import queue as queue_mod
 
     monkeypatch.setattr(plan_cells, "INPUT", tmp_path / "input")
     plan_cells.demo_inputs()
@@ -365,7 +365,7 @@ def test_remembered_choices_are_the_choices_of_weighing_every_node(tmp_path: Pat
                                                                    host: str) -> None:
     """A queue of 8 prompts of a shipped workflow on the cards where it streams, evicts, or keeps all, with host RAM
     for every pinned copy or (HOST) for the transformer's alone: the plan whose passes 3 remember their choices
-    (graph/assign.py `assign`) and that leaves out the next run's pass where it surely moves nothing (`all_fit`)
+    (graph/plan/assign.py `assign`) and that leaves out the next run's pass where it surely moves nothing (`all_fit`)
     and the pinning pass where fewer pins change no choice (`Assigned.repinned`) is, step for step and note for
     note, the plan that weighs every node and runs every pass, from an empty GPU, from the residency the first plan
     leaves (kept parts and all) and without repeat. (At 6 GiB and 512² a remembered choice that the look ahead's
@@ -400,7 +400,7 @@ def test_a_remembered_eviction_is_weighed_again_where_the_next_uses_rank_the_oth
     """Two nodes of a kind (the same variant) meet the same state, P and Q resident and pinned, and each must evict
     one of them, at equal reload cost: the one used later goes. The first node's look ahead finds P one node away and
     Q two; the second's finds Q one away and P two. The costs agree, so only the ranking of the distances can tell
-    that the remembered choice (evict Q) is wrong for the second node (graph/assign.py `alike`)."""
+    that the remembered choice (evict Q) is wrong for the second node (graph/plan/assign.py `alike`)."""
     g = MB * 1000
     models = {m: ModelCost(m, n, m) for m, n in (("P", g), ("Q", g), ("X", 3 * g))}
     x = Variant("gpu", ("X",), 10 * MB, 1.0)  # one object: both nodes of its kind
@@ -435,7 +435,7 @@ def _weighing_every_node(call: Callable[[], Any]) -> Any:
 def test_a_steady_choice_is_taken_again_only_where_the_look_ahead_answers_alike(last: str) -> None:
     """s0, s1, s2 stream the transformer (one variant object: a kind) beside the VAE (2 GB) that d0 and d1 use; each
     prices evicting the VAE for room. s1 and d1 leave the GPU as they found it, so their choices are steady
-    (graph/assign.py `assign`). s1 keeps the VAE: d1, one node on, needs it. s2 finds the GPU as s1 left it, but the
+    (plan/assign.py `assign`). s1 keeps the VAE: d1, one node on, needs it. s2 finds the GPU as s1 left it, but the
     VAE is never needed again (no node after it) or needed by none before x, one node on, which cannot sit beside it
     (another kind at the same distance as d1 from s1): its eviction is free and s2 evicts it. Taking s1's choice
     there would keep it."""
@@ -529,7 +529,7 @@ def test_orders_that_differ_only_where_images_load_are_planned_once(tmp_path: Pa
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """8 queued edits on a 6 GiB card: the pass-1 order with results early and the grouped order with results early
     differ only in where the input image loads (a node that holds host RAM but uses no GPU, which pass 3 runs where
-    it is and no look ahead meets), so pass 3 runs on one of them (graph/planner.py `on_gpu`): two candidate passes
+    it is and no look ahead meets), so pass 3 runs on one of them (graph/plan/planner.py `on_gpu`): two candidate passes
     where every pass run makes three, and the same plan."""
     planning, prep, costs, models = queued(tmp_path, monkeypatch, "edit.json", 6, 1024, 8)
     every_pass = assign.assign
@@ -550,7 +550,7 @@ def test_orders_that_differ_only_where_images_load_are_planned_once(tmp_path: Pa
 
 
 def plain_grouped(order: list[str], dag: nx.DiGraph, stage: dict[str, str], prov: dict[str, Variant]) -> list[str]:
-    """The grouped order as the heap makes it (graph/order.py `grouped_order` before its sorted shortcut)."""
+    """The grouped order as the heap makes it (graph/plan/order.py `grouped_order` before its sorted shortcut)."""
     rank: dict[str, int] = {}
     for n in order:
         rank.setdefault(stage[n], len(rank))
@@ -574,7 +574,7 @@ def plain_grouped(order: list[str], dag: nx.DiGraph, stage: dict[str, str], prov
 def test_grouped_order_is_the_heaps_order(seed: int) -> None:
     """`grouped_order` takes the nodes sorted by their heap keys where that order is topological, else runs the heap:
     the same order either way, over random queues (decodes that need no GPU make the sorted order fail) and orders."""
-    from vramgraph.graph.order import grouped_order
+    from vramgraph.graph.plan.order import grouped_order
 
     rng = random.Random(seed)
     dag, prov = queue(rng, rng.choice((1, 2, 3, 8)))
@@ -589,9 +589,10 @@ def test_grouped_order_is_the_heaps_order(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(30))
 def test_estimates_topological_order_is_networkx_lexicographical_one(seed: int) -> None:
-    """graph/estimate.py `_topological` is `nx.lexicographical_topological_sort` keyed by the id's parts (numbers by
-    value, before names), ties in the graph's order: on random DAGs with queue-like ids ("q3:12", "7", "q10:2")."""
-    from vramgraph.graph import estimate
+    """graph/workflow/estimate.py `_topological` is `nx.lexicographical_topological_sort` keyed by the id's parts
+    (numbers by value, before names), ties in the graph's order: on random DAGs with queue-like ids ("q3:12", "7",
+    "q10:2")."""
+    from vramgraph.graph.workflow import estimate
 
     rng = random.Random(seed)
     ids = [rng.choice([f"q{rng.randrange(12)}:{rng.randrange(30)}", str(rng.randrange(40)), f"n{rng.randrange(9)}"])

@@ -286,8 +286,8 @@ def test_engine_plans_real_bytes_runs_fp8_and_refuses_nvfp4_at_validation(input_
     stored bytes and the prompt runs; a transformer with an nvfp4 layer is refused at validation, on the loader
     node's input, with the file, the layer and the format."""
     from test_engine import folders_for, shipped
-    from vramgraph.graph.errors import ValidationFailed
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
+    from vramgraph.graph.workflow.errors import ValidationFailed
     from vramgraph.models.tiny import write_tiny_models
 
     names = {"transformer": "flux-2-klein-4b.safetensors", "text_encoder": "qwen_3_4b.safetensors",
@@ -374,7 +374,7 @@ def test_unrun_formats_are_refused_at_validation(refused_models, input_dir, tmp_
     """validate() answers ComfyUI's /prompt error for the loader node's file input, naming the file, the layer and
     the format; the same graph on the files we run (an fp8 transformer) validates."""
     from test_engine import folders_for
-    from vramgraph.graph.validate import validate
+    from vramgraph.graph.workflow.validate import validate
     from vramgraph.nodes import ENGINE_NODES
 
     models, layers = refused_models
@@ -395,7 +395,7 @@ def test_unmarked_integer_weights_are_refused_at_validation(refused_models, inpu
     error too (on the VAE's loader), naming the tensor, the file and its dtype."""
     from safetensors.torch import load_file
     from test_engine import folders_for
-    from vramgraph.graph.validate import validate
+    from vramgraph.graph.workflow.validate import validate
     from vramgraph.nodes import ENGINE_NODES
 
     models, _ = refused_models
@@ -430,7 +430,7 @@ def test_server_prompt_refuses_from_the_header(refused_models, input_dir, tmp_pa
     """POST /prompt answers 400 with ComfyUI's node_errors on the loader's input; nothing is queued."""
     import requests
     from test_engine import folders_for
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ServerThread, make_app
 
     models, layers = refused_models

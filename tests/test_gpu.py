@@ -60,8 +60,8 @@ def test_planned_swaps_on_the_gpu_give_the_same_image(tmp_path):
 
     import numpy as np
     from PIL import Image
-    from vramgraph.graph.budget import Budget
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.budget import Budget
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes.files import Folders
 
@@ -90,7 +90,7 @@ def test_planned_swaps_on_the_gpu_give_the_same_image(tmp_path):
 @pytest.mark.gpu
 def test_streamed_text_encoder_from_pinned_memory_matches_resident(tmp_path):
     """The text encoder streamed layer by layer from its pinned one-buffer copy gives the resident result."""
-    from vramgraph.graph.ledger import Ledger
+    from vramgraph.graph.engine.ledger import Ledger
     from vramgraph.models.qwen3 import PromptTokenizer, encode_prompts, encode_prompts_streamed
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes.catalog import ModelCatalog
@@ -114,7 +114,7 @@ def test_engine_peaks_span_all_nodes_of_a_run(tmp_path):
     """The server's /peer/mem peak covers a whole run, though the executor restarts torch's counters per node."""
     import json
 
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes.files import Folders
 

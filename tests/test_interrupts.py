@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from vramgraph.graph.errors import InterruptedRun
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.workflow.errors import InterruptedRun
 from vramgraph.models.qwen3 import Qwen3Layer
 from vramgraph.models.tiny import TINY_VAE
 from vramgraph.models.vae import Flux2VAE, ResnetBlock

@@ -17,16 +17,30 @@ import vramgraph
 
 ROOT = Path(vramgraph.__file__).parent
 PACKAGE = vramgraph.__name__
-ROOMS = ("cli", "server", "graph", "nodes", "models")
-# what each room may import from the package (its own modules aside); the package root is ComfyUI's entry
-MAY_IMPORT = {"cli": {"graph", "nodes", "models"}, "server": {"graph", "nodes", "models"},
-              "graph": {"nodes", "models"}, "nodes": {"models"}, "models": set()}
+# The rooms, top to bottom (DESIGN.md; graph/__init__.py draws them): the entry points, graph's four rooms, the nodes,
+# the models. What each room may import from the package (its own modules aside; the package root is ComfyUI's entry).
+ROOMS = ("cli", "server", "api", "graph.engine", "graph.draw", "graph.workflow", "graph.plan", "nodes", "models")
+_GRAPH = {"graph.engine", "graph.draw", "graph.workflow", "graph.plan"}
+MAY_IMPORT = {
+    "cli": {"api", *_GRAPH, "nodes", "models"},  # the command line is a shell over the Python API
+    "server": {*_GRAPH, "nodes", "models"},
+    "api": {*_GRAPH, "nodes", "models"},
+    "graph.engine": {"graph.workflow", "graph.plan", "nodes", "models"},
+    "graph.draw": {"graph.plan"},
+    "graph.workflow": {"graph.plan", "nodes", "models"},
+    "graph.plan": {"nodes"},  # only under TYPE_CHECKING (test_the_planner_sees_costs_not_nodes)
+    "nodes": {"models"},
+    "models": set(),
+}
 PURE = [
-    "graph.workflow", "graph.validate", "graph.estimate", "graph.planner", "graph.planning", "graph.timeline",
-    "graph.errors", "graph.budget", "graph.queue", "graph.runtime", "graph.early", "graph.families",
-    "graph.residency", "graph.plantypes", "graph.sizes", "graph.order", "graph.assign",
+    "graph", "graph.workflow", "graph.workflow.parse", "graph.workflow.validate", "graph.workflow.estimate",
+    "graph.workflow.errors", "graph.workflow.queue", "graph.workflow.families", "graph.workflow.uiedit",
+    "graph.workflow.roles", "graph.plan", "graph.plan.planner", "graph.plan.types", "graph.plan.early",
+    "graph.plan.residency", "graph.plan.sizes", "graph.plan.order", "graph.plan.assign", "graph.plan.placement",
+    "graph.draw", "graph.draw.timeline", "graph.engine", "graph.engine.planning", "graph.engine.budget",
+    "graph.engine.runtime", "api",
     "nodes", "nodes.types", "nodes.estimates", "nodes.catalog", "nodes.files", "nodes.core", "nodes.vg",
-    "nodes.output", "nodes.comfy", "nodes.foreign", "graph.uiedit",
+    "nodes.output", "nodes.comfy", "nodes.foreign",
     "models.dtypes", "models.headers", "models.loading", "models.flux2_config", "models.qwen3_config",
     "models.vae_config",
 ]
@@ -102,16 +116,22 @@ def _imports(path: Path, top_only: bool = False) -> list[tuple[str, int]]:
 
 
 def _files() -> list[Path]:
-    return sorted(p for room in ROOMS for p in (ROOT / room).rglob("*.py"))
+    return sorted(p for room in ROOMS for p in ROOT.joinpath(*room.split(".")).rglob("*.py"))
+
+
+def _room(module: str) -> str:
+    """The room of a dotted module name: `graph.plan.order.Shape` -> `graph.plan`, `nodes.types` -> `nodes`."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "graph" else parts[0]
 
 
 def test_arrows_only_point_down() -> None:
     wrong = []
     rooms = nx.DiGraph()
     for path in _files():
-        room = path.relative_to(ROOT).parts[0]
+        room = _room(".".join(path.relative_to(ROOT).parts))
         for target, line in _imports(path):
-            other = target.split(".")[0] if target else ""
+            other = _room(target) if target else ""
             if other in ("", room) or other not in ROOMS:
                 continue  # the package root (ComfyUI's entry, __version__) and the room's own modules
             rooms.add_edge(room, other)
@@ -119,7 +139,7 @@ def test_arrows_only_point_down() -> None:
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} ({room}/ may not import {other}/)")
     assert not wrong, "\n".join(wrong)
     assert nx.is_directed_acyclic_graph(rooms), list(nx.simple_cycles(rooms))
-    assert rooms.number_of_edges() >= 4  # the check saw the real imports
+    assert rooms.number_of_edges() >= 12  # the check saw the real imports
 
 
 def test_no_import_cycles_between_modules() -> None:
@@ -129,29 +149,33 @@ def test_no_import_cycles_between_modules() -> None:
         mod = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         for target, _ in _imports(path, top_only=True):
             target = _module_of(target)
-            if target.split(".")[0] in ROOMS and target != mod:
+            if _room(target) in ROOMS and target != mod:
                 graph.add_edge(mod, target)
     assert graph.number_of_edges() > 20
     assert nx.is_directed_acyclic_graph(graph), list(nx.simple_cycles(graph))[:5]
 
 
 def _module_of(target: str) -> str:
-    """`graph.planner.Budget` -> `graph.planner` (a name imported from a module), a module as it is."""
+    """`graph.plan.planner.Budget` -> `graph.plan.planner` (a name imported from a module), a module as it is."""
     parts = target.split(".")
     while parts and not ((ROOT.joinpath(*parts).with_suffix(".py")).is_file() or (ROOT.joinpath(*parts)).is_dir()):
         parts.pop()
     return ".".join(parts)
 
 
-PLANNER = ("planner", "plantypes", "sizes", "order", "assign", "early", "residency")  # the planner and its passes
+PLANNER = tuple(sorted(p.stem for p in (ROOT / "graph" / "plan").glob("*.py") if p.stem != "__init__"))
+
+
+def test_the_planner_package_is_complete() -> None:
+    assert set(PLANNER) >= {"planner", "types", "sizes", "order", "assign", "early", "residency", "placement"}
 
 
 @pytest.mark.parametrize("name", PLANNER)
 def test_the_planner_sees_costs_not_nodes(name: str) -> None:
-    """The planner (graph/planner.py, its types, sizes and passes, and the pure graph/residency.py of block residency)
-    imports nothing of ours at run time but its own modules: the Variant and Blocks types of nodes/types.py are only
-    names in their annotations, under `if TYPE_CHECKING:`."""
-    path = ROOT / "graph" / f"{name}.py"
+    """The planner (graph/plan/: the planner, its types, sizes and passes, block residency, placement) imports nothing
+    of ours at run time but its own modules: the Variant and Blocks types of nodes/types.py are only names in their
+    annotations, under `if TYPE_CHECKING:`."""
+    path = ROOT / "graph" / "plan" / f"{name}.py"
     tree = ast.parse(path.read_text())
     guarded = [n for block in ast.walk(tree) if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
                for n in ast.walk(block) if isinstance(n, ast.ImportFrom)]
@@ -161,8 +185,8 @@ def test_the_planner_sees_costs_not_nodes(name: str) -> None:
         "an import of ours outside the planner's modules"
     assert all(n.module in PLANNER for n in outside if n.module) and \
         all(a.name in PLANNER for n in outside if not n.module for a in n.names)
-    assert all(n.module in ("..nodes.types", "nodes.types") or (n.level == 1 and n.module in PLANNER) for n in guarded)
-    assert {a.name for n in guarded if n.level == 2 for a in n.names} <= {"Variant", "Blocks"}
+    assert all((n.module == "nodes.types" and n.level == 3) or (n.level == 1 and n.module in PLANNER) for n in guarded)
+    assert {a.name for n in guarded if n.level == 3 for a in n.names} <= {"Variant", "Blocks"}
     assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import) and n.names[0].name.split(".")[0] == "torch"]
 
 

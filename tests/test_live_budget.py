@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from vramgraph.graph import planner
-from vramgraph.graph.budget import Budget, DeviceMemory, live
-from vramgraph.graph.errors import NodeExecutionError
-from vramgraph.graph.executor import Engine, _tried
+from vramgraph.graph.engine.budget import Budget, DeviceMemory, live
+from vramgraph.graph.engine.executor import Engine, _tried
+from vramgraph.graph.plan import planner
+from vramgraph.graph.workflow.errors import NodeExecutionError
 from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.files import Folders
 from vramgraph.nodes.vg import VGSampler, VGTextEncode, VGVAEDecode

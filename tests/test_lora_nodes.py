@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_engine import core_text_to_image, folders_for, pixels
 from test_lora import ref_merge
-from vramgraph.graph.errors import NodeExecutionError, ValidationFailed
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.workflow.errors import NodeExecutionError, ValidationFailed
 from vramgraph.models import flux2_config
 from vramgraph.models.lora_make import text_encoder_modules, transformer_modules, write_lora
 from vramgraph.models.tiny import TINY_QWEN3, TINY_TRANSFORMER
@@ -157,9 +157,9 @@ def test_a_lora_for_another_model_names_node_and_file_and_the_next_prompt_runs(e
 
 
 def test_cli_and_python_api_take_loras(lora_models, input_dir, tmp_path):
+    from vramgraph.api.pipeline import Pipeline
     from vramgraph.cli.main import lora_arg
     from vramgraph.cli.session import Session
-    from vramgraph.graph.api import Pipeline
 
     assert lora_arg("a/b.safetensors:0.5") == ("a/b.safetensors", 0.5)
     assert lora_arg("C:/x/b.safetensors") == ("C:/x/b.safetensors", 1.0)

@@ -24,8 +24,8 @@ def oom_matrix():
 
 def test_failures_are_told_apart(oom_matrix) -> None:
     import torch
-    from vramgraph.graph import planner
-    from vramgraph.graph.errors import NodeExecutionError
+    from vramgraph.graph.plan import planner
+    from vramgraph.graph.workflow.errors import NodeExecutionError
 
     oom = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
            NodeExecutionError("6", "VGSampler", "CUDA out of memory", "torch.OutOfMemoryError"),

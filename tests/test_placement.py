@@ -1,4 +1,4 @@
-"""Placement on several devices (graph/placement.py): exact expected placements on fake devices, and the choice
+"""Placement on several devices (graph/plan/placement.py): exact expected placements on fake devices, and the choice
 checked against an exhaustive search over every node-to-device assignment on small cases.
 
 Sizes and seconds are FLUX.2-klein-4B's, as in test_planner.py: text encoder 5.80 GiB, transformer 7.22 GiB,
@@ -12,9 +12,9 @@ import itertools
 import networkx as nx
 import pytest
 from test_planner import MODELS, card, chains, gib
-from vramgraph.graph import placement
-from vramgraph.graph.placement import Device, parse_devices, place, split_sizes
-from vramgraph.graph.planner import Budget, Load, NodeCost, PlanError, Residency, Run, Unload, plan
+from vramgraph.graph.plan import placement
+from vramgraph.graph.plan.placement import Device, parse_devices, place, split_sizes
+from vramgraph.graph.plan.planner import Budget, Load, NodeCost, PlanError, Residency, Run, Unload, plan
 from vramgraph.nodes.types import Variant
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
+from vramgraph.api.pipeline import Pipeline
 from vramgraph.cli.main import main
-from vramgraph.graph import budget as budget_mod
-from vramgraph.graph.api import Pipeline
-from vramgraph.graph.costs import PROFILES, cost_for, profile
-from vramgraph.graph.planner import DEFAULT_RESERVE, Budget, GiB, Load, ModelCost, NodeCost, Run, Unload, plan
+from vramgraph.graph.engine import budget as budget_mod
+from vramgraph.graph.engine.costs import PROFILES, cost_for, profile
+from vramgraph.graph.plan.planner import DEFAULT_RESERVE, Budget, GiB, Load, ModelCost, NodeCost, Run, Unload, plan
 from vramgraph.nodes.types import Variant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def fewest_bytes(seq: list[str], side: int, budget: int) -> int | None:
 
 
 def edits(n: int, side: int) -> tuple[nx.DiGraph, dict[str, NodeCost]]:
-    """n queued edits, inserted prompt by prompt (as graph/queue.py merges them); the reference is VAE-encoded,
+    """n queued edits, inserted prompt by prompt (as graph/workflow/queue.py merges them); the reference is VAE-encoded,
     so the VAE is resident when the first sample ends (its activation here: the decode's, as in plan_bound).
 
         enc_i ──► ref_i (vae) ──► sample_i (dit) ──► decode_i (vae)        i = 0..n-1
@@ -246,7 +246,7 @@ def test_the_plan_off_the_gpu_has_the_budget_of_the_gpu_run(monkeypatch: pytest.
         assert caps[-1] == pytest.approx((off.gpu + DEFAULT_RESERVE + workspace) / total)
     pipe = Pipeline(ROOT / "no-models-here", vram="12GiB", host="32GiB")  # (the free host RAM here changes)
     assert pipe.plan("text_to_image.json").budget == budget_mod.budget_for(None, "12GiB", host="32GiB")
-    # the 12 GiB card: 11.02 GiB with the context estimate, at least the card less 1 GiB (graph/budget.py: the margins
+    # the 12 GiB card: 11.02 GiB with the context estimate, at least the card less 1 GiB (engine/budget.py: the margins
     # measured); it was 9.96 with the card margin of 1 GiB
     assert round(budget_mod.budget_for(None, "12GiB").gpu / GiB, 2) == 11.02
     uncapped = budget_mod.budget_for("cuda")  # the device's free memory less the margin and the reserve
@@ -312,7 +312,7 @@ def test_plan_command_plans_a_queue(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_pipeline_plan_of_a_queue_matches_the_merged_queue(tmp_path: Path) -> None:
     """Pipeline.plan(prompts=8) of an edit is the plan of eight queued edits: grouped, one transformer load even
     where the decode cannot sit beside it (12 GiB at 1536²)."""
-    from vramgraph.graph.runtime import DEMO_IMAGES, demo_image
+    from vramgraph.graph.engine.runtime import DEMO_IMAGES, demo_image
 
     (tmp_path / "input").mkdir()
     for i, (name, size) in enumerate(DEMO_IMAGES.items()):

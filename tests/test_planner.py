@@ -21,7 +21,8 @@ from xml.etree import ElementTree
 
 import networkx as nx
 import pytest
-from vramgraph.graph.planner import (
+from vramgraph.graph.draw.timeline import timeline_data, timeline_svg
+from vramgraph.graph.plan.planner import (
     TIE,
     Budget,
     CostModel,
@@ -36,7 +37,6 @@ from vramgraph.graph.planner import (
     Unload,
     plan,
 )
-from vramgraph.graph.timeline import timeline_data, timeline_svg
 from vramgraph.nodes.types import Blocks, Variant
 
 MiB = 2**20
@@ -289,7 +289,7 @@ def test_infeasible_node_raises_plan_error():
 
 
 def test_plan_leaves_the_garbage_collector_as_it_found_it():
-    """plan() pauses Python's cyclic collector while it plans (graph/planner.py) and turns it back on afterwards, a
+    """plan() pauses Python's cyclic collector while it plans (graph/plan/planner.py) and turns it back on afterwards, a
     PlanError included; one that something else turned off stays off.
 
         enc ──► sample ──► decode
@@ -396,7 +396,7 @@ def test_queue_that_streams_moves_what_the_grouped_order_moves(slack: float, ear
 
         enc_i ──► sample_i (streams dit) ──► decode_i        i = 0..3
     """
-    from vramgraph.graph import residency
+    from vramgraph.graph.plan import residency
 
     dag, costs, budget, blocks = streamed_chains(4, slack)
     p = plan(dag, costs, MODELS, budget, repeat=False)
@@ -415,20 +415,20 @@ def test_queue_that_streams_moves_what_the_grouped_order_moves(slack: float, ear
 
 
 def test_finish_early_moves_only_nodes_whose_descendants_need_no_other_model():
-    """The pass alone, on a hand-made order (graph/early.py): a decode joins the resident transformer only when every
+    """The pass alone, on a hand-made order (plan/early.py): a decode joins the resident transformer only when every
     node left that uses those models still fits; a sampler (its decode needs the VAE) never moves; a save (no model,
     nothing after it) follows its decode.
 
         enc0 ──► sample0 ──► decode0 ──► save0
         enc1 ──► sample1 ──► decode1 ──► save1
     """
-    from vramgraph.graph.early import FinishEarly
+    from vramgraph.graph.plan.early import FinishEarly
 
     dag, costs = chains(2)
     for i in range(2):
         dag.add_edge(f"decode{i}", f"save{i}")
         costs[f"save{i}"] = NodeCost(f"save{i}", "SaveImage", (Variant("host", (), 0, 0.0),))
-    names = list(dag)  # the pass sees nodes by number (graph/order.py `Shape`)
+    names = list(dag)  # the pass sees nodes by number (graph/plan/order.py `Shape`)
     number = {n: i for i, n in enumerate(names)}
     prov = [costs[n].variants[0] for n in names]
     grouped = ["enc0", "enc1", "sample0", "sample1", "decode0", "save0", "decode1", "save1"]

@@ -1,5 +1,5 @@
 """A PNG is a workflow (its `prompt` and `workflow` text chunks, as ComfyUI writes them), and values set with
---set are written back into the UI workflow where the UI keeps them (graph/uiedit.py), or the UI workflow is
+--set are written back into the UI workflow where the UI keeps them (graph/workflow/uiedit.py), or the UI workflow is
 left out when it cannot hold them."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
-from vramgraph.graph.api import load
-from vramgraph.graph.uiedit import ui_with_sets
-from vramgraph.graph.workflow import WorkflowFormatError, load_workflow, ui_to_api
+from vramgraph.api.pipeline import load
+from vramgraph.graph.workflow.parse import WorkflowFormatError, load_workflow, ui_to_api
+from vramgraph.graph.workflow.uiedit import ui_with_sets
 from vramgraph.nodes import ENGINE_NODES
 
 API = {"5": {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": 512, "height": 256, "batch_size": 1},

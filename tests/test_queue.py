@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from vramgraph.api.pipeline import Pipeline
 from vramgraph.cli import main as cli
 from vramgraph.cli.session import Session
-from vramgraph.graph import planner
-from vramgraph.graph.api import Pipeline
-from vramgraph.graph.budget import Budget
-from vramgraph.graph.executor import Cancel, Engine
-from vramgraph.graph.prompts import build_prompt
-from vramgraph.graph.queue import merge
+from vramgraph.graph.engine.budget import Budget
+from vramgraph.graph.engine.executor import Cancel, Engine
+from vramgraph.graph.plan import planner
+from vramgraph.graph.workflow.queue import merge
+from vramgraph.graph.workflow.roles import build_prompt
 from vramgraph.models.preview import preview_rgb, unpatchify
 from vramgraph.models.vae import patchify
 from vramgraph.nodes.files import Folders
@@ -68,7 +68,7 @@ def test_queue_loads_each_model_once_and_gives_the_same_images(tiny_models, inpu
     assert labels == ["text encoder", "transformer", "vae"]  # one load of each model for 4 images
     order = [result.plan.classes[n] for n in result.plan.order
              if not result.plan.classes[n].startswith("VGLoad") and result.plan.classes[n] != "VGEmptyLatent"]
-    # each image is decoded and saved once sampled: the decode fits beside the transformer (graph/early.py)
+    # each image is decoded and saved once sampled: the decode fits beside the transformer (graph/plan/early.py)
     assert order == ["VGTextEncode"] * 4 + ["VGSampler", "VGVAEDecode", "VGSaveImage"] * 4
 
     alone = Engine(folders, budget=budget)

@@ -1,4 +1,4 @@
-"""Block-granular residency (graph/residency.py), its planner hook, the rejection below the streaming floor, and
+"""Block-granular residency (graph/plan/residency.py), its planner hook, the rejection below the streaming floor, and
 the plan-only matrix of cards x sizes x workflows. Pure: no torch (the streamed forward is tests/test_streaming.py).
 """
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
-from vramgraph.graph import planner, residency
-from vramgraph.graph.budget import CONTEXT_ESTIMATE
-from vramgraph.graph.planner import Budget, ModelCost, NodeCost, PlanError
+from vramgraph.graph.engine.budget import CONTEXT_ESTIMATE
+from vramgraph.graph.plan import planner, residency
+from vramgraph.graph.plan.planner import Budget, ModelCost, NodeCost, PlanError
 from vramgraph.nodes.types import Blocks, Variant
 
 GiB = 2**30
@@ -234,12 +234,12 @@ def test_rejection_of_a_real_workflow_names_the_minimum_budget(tmp_path: Path) -
 
 # ------------------------------------------------------------------------------------------- the matrix
 
-CONTEXT = CONTEXT_ESTIMATE  # the H200's CUDA context and cuBLAS workspace at the start (graph/budget.py)
+CONTEXT = CONTEXT_ESTIMATE  # the H200's CUDA context and cuBLAS workspace at the start (graph/engine/budget.py)
 
 
 def _planning(tmp: Path, card: int, gpu: int | None = None):
-    from vramgraph.graph.budget import CARD_MARGIN
-    from vramgraph.graph.planning import Planning
+    from vramgraph.graph.engine.budget import CARD_MARGIN
+    from vramgraph.graph.engine.planning import Planning
     from vramgraph.nodes.catalog import ModelCatalog
     from vramgraph.nodes.files import Folders
 
@@ -250,13 +250,13 @@ def _planning(tmp: Path, card: int, gpu: int | None = None):
 
         Image.new("RGB", (1024, 1024), (90, 120, 200)).save(ref)
     folders = Folders(models=(tmp / "models",), input=tmp / "input", output=tmp / "output", temp=tmp / "temp")
-    if gpu is None:  # what the GPU run gives a card of this size (graph/budget.py): context and margin out
+    if gpu is None:  # what the GPU run gives a card of this size (graph/engine/budget.py): context and margin out
         gpu = card - CONTEXT - CARD_MARGIN - planner.DEFAULT_RESERVE
     return Planning(folders, ModelCatalog(folders, "bf16", allow_builtin=True), Budget(gpu, 64 * GiB, card or None))
 
 
 def _prompt(workflow: str, side: int) -> dict:
-    from vramgraph.graph.api import load, resize
+    from vramgraph.api.pipeline import load, resize
 
     wf = load(ROOT / "workflows" / workflow)
     resize(wf.prompt, side, side)

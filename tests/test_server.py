@@ -103,7 +103,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folders):
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ServerThread, make_app
 
     with ServerThread(make_app(Engine(folders, nodes=NODES))) as srv:
@@ -463,7 +463,7 @@ def test_page_and_scripts_are_served(server):
 def test_origin_checks_by_default_and_the_cors_opt_out(server, folders):
     """By default a page of another site is refused; --enable-cors-header [ORIGIN] answers it as ComfyUI does."""
     from vramgraph.cli.main import _parser
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ServerThread, make_app
 
     foreign = {"Origin": "http://app.example"}
@@ -490,7 +490,7 @@ def test_origin_checks_by_default_and_the_cors_opt_out(server, folders):
 def test_a_client_whose_queue_overflows_is_dropped_alone(folders):
     """Messages for one client beyond its queue's bound drop that client; another client's messages still arrive."""
     import aiohttp
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ROUTES, ServerThread, make_app
 
     app = make_app(Engine(folders, nodes=NODES), start_worker=False)
@@ -546,8 +546,8 @@ def test_history_is_bounded_in_entries_and_bytes():
 
 def tight_engine(folders: Any) -> Any:
     """An engine whose budget holds the text encoder or the transformer, never both (a 12 GiB card's case)."""
-    from vramgraph.graph.budget import Budget
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.budget import Budget
+    from vramgraph.graph.engine.executor import Engine
 
     probe = Engine(folders, nodes=NODES)
     prep = probe.prepare(text_to_image())
@@ -819,7 +819,7 @@ def test_interrupting_one_image_of_a_batch(folders):
     held by a TestHold node before its save). The other two are saved, pixel for pixel the images of their prompts
     run alone, and only the middle prompt reports execution_interrupted."""
     import numpy as np
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.server.app import ROUTES, ServerThread, make_app
 
     prompts = batch_prompts("held")

@@ -1,4 +1,4 @@
-"""Nodes that need nothing (graph/order.py `Shape`): one variant without models, streams or GPU bytes, whose outputs
+"""Nodes that need nothing (plan/order.py `Shape`): one variant without models, streams or GPU bytes, whose outputs
 hold no host RAM (a loader, a save, ComfyUI's guider and zeroed conditioning). The passes order only the other nodes;
 each of these runs as soon as its inputs are ready, and an output read through them lives until the nodes after them
 that read it have run. Every test draws its DAG and asserts the exact order of the plan's runs.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import networkx as nx
 from test_planner import MODELS, card, decode, encode, gib, sample
-from vramgraph.graph.planner import GiB, NodeCost, Run, plan
+from vramgraph.graph.plan.planner import GiB, NodeCost, Run, plan
 from vramgraph.nodes.types import Variant
 
 FREE = Variant("host", (), 0, 0.0)

@@ -163,7 +163,7 @@ def _header_models(root: Path) -> Path:
 def test_the_planner_sees_the_smaller_decode(tmp_path: Path) -> None:
     """Planned from header-only full-size files at 2048²: with the small decoder the decode fits beside the resident
     transformer on a card where the full decoder's does not (the full one is tiled or evicts the transformer)."""
-    from vramgraph.graph.api import Pipeline
+    from vramgraph.api.pipeline import Pipeline
 
     models = _header_models(tmp_path / "models")
     wf = json.loads((WORKFLOWS / "text_to_image.json").read_text())

@@ -127,11 +127,11 @@ def test_the_engine_keeps_a_streamed_models_resident_part_for_the_next_prompt(tm
     import numpy as np
     from PIL import Image
     from safetensors.torch import save_file
-    from vramgraph.graph import residency
-    from vramgraph.graph.budget import Budget
-    from vramgraph.graph.executor import Engine
-    from vramgraph.graph.planner import CostModel
-    from vramgraph.graph.prompts import build_prompt
+    from vramgraph.graph.engine.budget import Budget
+    from vramgraph.graph.engine.executor import Engine
+    from vramgraph.graph.plan import residency
+    from vramgraph.graph.plan.planner import CostModel
+    from vramgraph.graph.workflow.roles import build_prompt
     from vramgraph.models.tiny import SHIPPED_NAMES, write_tiny_models
     from vramgraph.nodes.files import Folders
 

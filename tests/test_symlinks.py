@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from vramgraph.graph import planner
-from vramgraph.graph.executor import Engine
-from vramgraph.graph.validate import validate
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
+from vramgraph.graph.workflow.validate import validate
 from vramgraph.models.tiny import write_tiny_models
 from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.files import Folders

@@ -32,7 +32,7 @@ import torch
 from conftest import INPUT_IMAGES, TINY_FP8
 from PIL import Image
 from vramgraph.cli import main
-from vramgraph.graph.workflow import ui_to_api
+from vramgraph.graph.workflow.parse import ui_to_api
 from vramgraph.models import fp8, loading
 from vramgraph.models.tiny import MARKINGS, TINY_SMALL_DECODER_VAE
 from vramgraph.nodes import ENGINE_NODES, estimates
@@ -206,7 +206,7 @@ def test_comfyui_template_runs_unchanged(name: str, tiny_models: Path, input_dir
 
 @pytest.fixture(scope="module")
 def server(tiny_models: Path, input_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    from vramgraph.graph.executor import Engine
+    from vramgraph.graph.engine.executor import Engine
     from vramgraph.nodes import ENGINE_NODES
     from vramgraph.nodes.files import Folders
     from vramgraph.server.app import ServerThread, make_app

@@ -1,4 +1,4 @@
-"""The plan's picture (graph/timeline.py): one SVG for `vramgraph plan --svg`, the web page and the ComfyUI panel.
+"""The plan's picture (graph/draw/timeline.py): one SVG for `vramgraph plan --svg`, the web page and the ComfyUI panel.
 
 Every check reads the SVG back with xml.etree: each text element's box (from x, y, font-size, anchor, rotation and
 the estimated width) overlaps no other text's box and lies inside the viewBox; the title names the card and the
@@ -17,20 +17,9 @@ from xml.etree import ElementTree
 import networkx as nx
 import pytest
 from vramgraph.cli import main
-from vramgraph.graph.planner import (
-    Budget,
-    GiB,
-    Load,
-    ModelCost,
-    NodeCost,
-    Plan,
-    Residency,
-    Run,
-    Unload,
-    plan,
-)
-from vramgraph.graph.queue import merge
-from vramgraph.graph.timeline import ASCENT, DESCENT, LANE_H, image_sizes, text_width, timeline_svg
+from vramgraph.graph.draw.timeline import ASCENT, DESCENT, LANE_H, image_sizes, text_width, timeline_svg
+from vramgraph.graph.plan.planner import Budget, GiB, Load, ModelCost, NodeCost, Plan, Residency, Run, Unload, plan
+from vramgraph.graph.workflow.queue import merge
 from vramgraph.nodes.types import Variant
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
-from vramgraph.graph.errors import (
+from vramgraph.graph.workflow.errors import (
     InterruptedRun,
     NodeExecutionError,
     OutOfPlan,
@@ -25,7 +25,7 @@ from vramgraph.graph.errors import (
     VramgraphError,
     WorkflowError,
 )
-from vramgraph.graph.validate import Validation, inputs_with_defaults, validate
+from vramgraph.graph.workflow.validate import Validation, inputs_with_defaults, validate
 from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.files import Folders
 from vramgraph.nodes.types import BOOLEAN, IMAGE, STRING

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from vramgraph.graph import planner
-from vramgraph.graph.budget import Budget
-from vramgraph.graph.executor import Engine
+from vramgraph.graph.engine.budget import Budget
+from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
 from vramgraph.nodes.files import Folders
 
 WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"

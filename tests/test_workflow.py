@@ -1,4 +1,4 @@
-"""graph/workflow.py: loading workflows in either format, and the UI format converted like ComfyUI's front end.
+"""graph/workflow/parse.py: loading workflows in either format, and the UI format converted like ComfyUI's front end.
 
 The real templates come from the PyPI package comfyui-workflow-templates-json (a test extra); the small
 hand-written UI fixtures are in tests/data/ui/.
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vramgraph.graph.errors import WorkflowError
-from vramgraph.graph.workflow import (
+from vramgraph.graph.workflow.errors import WorkflowError
+from vramgraph.graph.workflow.parse import (
     Workflow,
     WorkflowFormatError,
     is_api_format,
@@ -381,7 +381,7 @@ def test_unknown_node_type_is_kept_with_its_links() -> None:
     ui["links"].append([30, 1, 0, 30, 0, "IMAGE"])
     prompt = ui_to_api(ui, ENGINE_NODES)
     expected = node("SomeCustomNode", {"image": ["1", 0]}, "Custom")
-    expected["_meta"]["widgets_values"] = [1, "two"]  # kept for validation to read (graph/families.py)
+    expected["_meta"]["widgets_values"] = [1, "two"]  # kept for validation to read (graph/workflow/families.py)
     assert prompt["30"] == expected
 
 

@@ -1,5 +1,5 @@
 // The plan's picture, shared by the standalone page and the ComfyUI panel. The drawing itself is made by the
-// server (graph/timeline.py: the same SVG as `vramgraph plan --svg`), sent as the "svg" field of POST
+// server (graph/draw/timeline.py: the same SVG as `vramgraph plan --svg`), sent as the "svg" field of POST
 // /vramgraph/plan and of the websocket's vramgraph.plan event. This module only inserts it and adds the live
 // state: every element of step i carries data-step="i"; the running step gets the class "current" and the
 // steps not reached yet the class "pending" (the SVG's own <style> says how they look).

@@ -7,7 +7,7 @@ ledger, Run by calling the node. Each Run's real GPU peak is measured and report
 prediction. A failing node (an allocation failure included) stops the run with an error that names
 it; no later node runs, so no PNG is written from partial work. The nodes that finished before a failure
 or an interrupt stay cached, so the next run starts at the node that stopped. A node's signature holds
-what its `IS_CHANGED` says of the files it reads (graph/planning.py), so a changed file runs it again.
+what its `IS_CHANGED` says of the files it reads (graph/engine/planning.py), so a changed file runs it again.
 
 A run can also lose some of its outputs while it goes on (`Cancel`, a targeted interrupt of one prompt
 of a merged queue): the nodes that only those outputs need are left out of the rest of the plan (the
@@ -32,22 +32,23 @@ from typing import Any
 import networkx as nx
 import torch
 
-from ..models.dtypes import torch_dtype
-from ..models.qwen3 import PromptTokenizer
-from ..models.streaming import Kept
-from ..nodes import ENGINE_NODES
-from ..nodes.catalog import ModelCatalog
-from ..nodes.files import Folders
-from ..nodes.types import ModelInfo, Variant, is_link
-from ..nodes.values import ModelHandle
+from ...models.dtypes import torch_dtype
+from ...models.qwen3 import PromptTokenizer
+from ...models.streaming import Kept
+from ...nodes import ENGINE_NODES
+from ...nodes.catalog import ModelCatalog
+from ...nodes.files import Folders
+from ...nodes.types import ModelInfo, Variant, is_link
+from ...nodes.values import ModelHandle
+from ..plan import planner
+from ..workflow import estimate, queue
+from ..workflow.errors import InterruptedRun, NodeExecutionError, _type_name
+from ..workflow.validate import inputs_with_defaults
 from . import budget as budget_mod
-from . import estimate, planner, queue
 from .budget import DeviceMemory, Probe, budget_for, cuda_probe, live, short_plan_error, shortage
 from .costs import cost_for
-from .errors import InterruptedRun, NodeExecutionError, _type_name
 from .ledger import Ledger
 from .planning import Prepared, prepare
-from .validate import inputs_with_defaults
 
 log = logging.getLogger("vramgraph.executor")
 Events = Callable[[str, dict], None]
@@ -168,7 +169,7 @@ class NodeContext:
             return None
 
         def send(latent: torch.Tensor, step: int, steps: int) -> None:
-            from ..models.preview import preview_images
+            from ...models.preview import preview_images
 
             for i, image in enumerate(preview_images(latent, max_side=0)):
                 self._events("preview", {"node": self.node, "step": step, "max": steps, "index": i, "image": image})
@@ -281,7 +282,7 @@ class Engine:
         self.catalog = ModelCatalog(folders, self.dtype, allow_builtin)  # model infos and tokenizers
         self.ledger = Ledger(self.device)
         self.budget = budget or budget_for(self.device)
-        # reads the device's free memory before each prompt and planned load (graph/budget.py: the live budget)
+        # reads the device's free memory before each prompt and planned load (graph/engine/budget.py: the live budget)
         self.probe = probe if probe is not None else cuda_probe(self.device) if self.device.type == "cuda" else None
         self.cost = cost or cost_for(self.device)  # a CUDA device is probed; elsewhere the H200's, named as assumed
         self._cache: dict[str, tuple] = {}  # signature -> outputs of the last runs
@@ -291,7 +292,7 @@ class Engine:
         self._cuts: _Cuts | None = None  # the running run's cancellations (see Cancel)
         self._retried: set[str] = set()  # this run's nodes and loads the rest was planned again for (live budget)
         self._peaks = (0, 0)  # torch allocator peaks (allocated, reserved) since `peaks(reset=True)`, across nodes
-        self._exchange: Any = None  # the running lane's exchange with the other devices' lanes (graph/devices.py)
+        self._exchange: Any = None  # the running lane's exchange with the other devices' lanes (engine/devices.py)
 
     # -- services for nodes
     def tokenizer(self, path: Path | None) -> PromptTokenizer:
@@ -319,7 +320,7 @@ class Engine:
     def warm_up(self) -> None:
         """Pay the process's first-use costs before the first prompt comes: the GPU kernels' code and the
         bundled tokenizer (together 0.9-2.6 s on the H200). `vramgraph serve` calls this before it listens."""
-        from ..models.common import warm_up_kernels
+        from ...models.common import warm_up_kernels
 
         with self._lock:
             t0 = time.perf_counter()
@@ -401,7 +402,7 @@ class Engine:
     def run(self, prompt: dict | Prepared, *, extra_pnginfo: dict | None = None, prompt_id: str | None = None,
             events: Events = _quiet, cancel: Cancel | None = None, exchange: Any = None) -> RunResult:
         """Run `prompt` (or a prepared one); `cancel` may take outputs out of it while it runs (see Cancel).
-        `exchange` (graph/devices.py): this engine runs one device's lane of a prompt placed on several; inputs
+        `exchange` (graph/engine/devices.py): this engine runs one device's lane of a prompt placed on several; inputs
         made in other lanes come from it (waiting for them) and every node's outputs go to it."""
         with self._lock:
             self._exchange = exchange
@@ -498,7 +499,7 @@ class Engine:
 
     def prepare_queue(self, prompts: list[dict], extra_pnginfo: list[dict | None] | None = None,
                       outputs: list[list[str] | None] | None = None) -> tuple[Prepared, queue.Merged]:
-        """Several prompts merged into one graph (see graph/queue.py) and planned at once; `outputs` limits each
+        """Several prompts merged into one graph (see workflow/queue.py) and planned at once; `outputs` limits each
         prompt's output nodes (None: all). Output nodes get their own prompt and pnginfo as hidden inputs, so each
         saved PNG carries its own prompt."""
         extras = extra_pnginfo or [None] * len(prompts)

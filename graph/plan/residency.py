@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..nodes.types import Blocks
+    from ...nodes.types import Blocks
 
 GiB = 2**30
 # The share of the pinned host->GPU bandwidth (CostModel.h2d_pinned, one 2 GiB copy) that block-sized copies of

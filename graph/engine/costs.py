@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .planner import CostModel
+from ..plan.planner import CostModel
 
 # The H200's measured constants (shared/reference/anchors-h200.json: pinned 55.33 GB/s, pageable 8.06 GB/s).
 H200 = CostModel()

@@ -1,4 +1,4 @@
-"""The planner's orders of the nodes (graph/planner.py passes 1 and its grouped candidate), the host RAM that node
+"""The planner's orders of the nodes (graph/plan/planner.py passes 1 and its grouped candidate), the host RAM that node
 outputs hold along an order, and the graph's shape as the passes read it.
 
 Pure: it sees the DAG, each node's provisional variant and sizes, never tensors.
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from .early import evict_lru
-from .plantypes import NodeCost, Residency, gib
+from .types import NodeCost, Residency, gib
 
 if TYPE_CHECKING:
-    from ..nodes.types import Variant
+    from ...nodes.types import Variant
     from .sizes import Sizes
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def heap_order(ready: list[Any], waiting: Any, succs: Any, key: Any = None) -> l
 
 def run_order(shape: Shape, sizes: Sizes, gpu: int, prov: list[Variant], start: Residency, host_limit: int
               ) -> tuple[list[int], int]:
-    """Pass 1: the run order of the shape's nodes (numbers; graph/planner.py) and the peak of host bytes held by live
+    """Pass 1: the run order of the shape's nodes (numbers; plan/planner.py) and the peak of host bytes held by live
     outputs."""
     preds, succs, releases, hb = shape.preds, shape.succs, shape.releases, shape.hb
     indeg = [len(p) for p in preds]

@@ -2,7 +2,7 @@
 
 The PNGs a run writes carry the UI workflow in their `workflow` chunk; ComfyUI opens that chunk, so it must
 hold the values that ran, or opening the PNG in ComfyUI would not make the same picture. Each set input is
-written where the UI stores it, as `graph.workflow`'s conversion found it: the node's own widget, the legacy
+written where the UI stores it, as `graph.workflow.parse`'s conversion found it: the node's own widget, the legacy
 PrimitiveNode that feeds it, or the subgraph instance's promoted widget; an input that was linked and is set
 to a literal is unlinked first (as a widget converted back from an input). The edited workflow is then
 converted again and must give exactly the API prompt that runs; when it does not (a value the UI cannot hold,
@@ -16,7 +16,7 @@ import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .workflow import SUBGRAPH_INPUT_ID, WorkflowFormatError, convert, ui_to_api
+from .parse import SUBGRAPH_INPUT_ID, WorkflowFormatError, convert, ui_to_api
 
 
 def ui_with_sets(ui: Mapping[str, Any], targets: Iterable[tuple[str, str, Any]], nodes: Mapping[str, type]

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..nodes.files import MODEL_EXTENSIONS, safe_name
-from ..nodes.types import is_mapping
+from ...nodes.files import MODEL_EXTENSIONS, safe_name
+from ...nodes.types import is_mapping
 
 OURS = "FLUX.2 [klein] 4B/9B"
 FLUX3_KLEIN = "FLUX.3 klein"
@@ -83,7 +83,7 @@ HEADER_FAMILIES: tuple[tuple[str, Any], ...] = (  # (family, test over the tenso
 
 def header_family(path: Path) -> tuple[bool, str | None]:
     """(recognised, family) of a safetensors file from its tensor names: (True, None) for our models."""
-    from ..models.headers import read_header
+    from ...models.headers import read_header
 
     try:
         infos, _meta = read_header(path)

@@ -16,7 +16,7 @@ Where ComfyUI has no check (it would raise and report an exception), we report:
   `class_type`;
 - a workflow for a model we do not run (FLUX.3 klein, Stable Diffusion, Z-Image, Wan, an API node, ...):
   `unsupported_model`, "this workflow uses MODEL, which vramgraph does not run", from the evidence in the
-  graph (graph/families.py), before any missing node type is reported.
+  graph (graph/workflow/families.py), before any missing node type is reported.
 Literal conversion is ComfyUI's (`int(v)`, `float(v)`), with two deliberate differences: STRING accepts
 only strings (ComfyUI would `str()` anything) and BOOLEAN only true/false, 0/1 or "true"/"false"
 (ComfyUI's `bool("false")` is True), and FLOAT refuses NaN and infinities. Defaults are not applied here;
@@ -37,8 +37,8 @@ from typing import Any
 
 import networkx as nx
 
-from ..nodes.files import IMAGE_EXTENSIONS, MODEL_EXTENSIONS
-from ..nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible, is_link, is_mapping
+from ...nodes.files import IMAGE_EXTENSIONS, MODEL_EXTENSIONS
+from ...nodes.types import ANY, BOOLEAN, FLOAT, INT, PRIMITIVES, STRING, compatible, is_link, is_mapping
 from .errors import ValidationFailed
 from .families import unsupported_model
 

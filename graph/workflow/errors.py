@@ -7,7 +7,7 @@
     ├── InterruptedRun        the user stopped the run
     └── OutOfPlan             a node used more GPU memory than the plan allowed for it
 
-The planner's own `PlanError` (graph/planner.py) lives beside the planner, which imports nothing from here.
+The planner's own `PlanError` (graph/plan/planner.py) lives beside the planner, which imports nothing from here.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
     out.images["8"], out.files["8"]                                # per output node: PIL images, PNG paths
     plan = pipe.plan("workflows/text_to_image.json", vram="8GiB", size="1536x1536")   # loads no weights
 
-The same settings, budget (graph/budget.py), planner and errors as the command line, which is a thin layer
+The same settings, budget (graph/engine/budget.py), planner and errors as the command line, which is a thin layer
 over this module: a workflow that does not validate raises `ValidationFailed` (ComfyUI's /prompt answer in
 `.response`), one that does not fit raises `PlanError`, a failing node `NodeExecutionError`, an impossible
 argument `ValueError` naming it and its allowed range. Nothing is printed; `events=` receives the engine's
@@ -29,8 +29,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .prompts import build_prompt
-from .runtime import Settings, engine_from, folders_from, parse_device, prepare_demo, read_config, settings_of
+from ..graph.engine.runtime import (
+    Settings,
+    engine_from,
+    folders_from,
+    parse_device,
+    prepare_demo,
+    read_config,
+    settings_of,
+)
+from ..graph.workflow.roles import build_prompt
 
 WORKFLOWS = Path(__file__).parent.parent / "workflows"
 DEFAULT_FILES = {"transformer": "flux-2-klein-4b.safetensors", "text_encoder": "qwen_3_4b.safetensors",
@@ -57,7 +65,7 @@ class Outputs:
 
     images: dict[str, list[Any]] = field(default_factory=dict)
     files: dict[str, list[Path]] = field(default_factory=dict)
-    result: Any = None  # graph.executor.RunResult: the plan, per-node times and peaks
+    result: Any = None  # graph.engine.executor.RunResult: the plan, per-node times and peaks
 
     @property
     def paths(self) -> list[Path]:
@@ -68,9 +76,9 @@ class Outputs:
 
 def load(workflow: str | Path | Mapping[str, Any], set: Mapping[str, Any] | None = None, *,
          prefix: str = "set ") -> Any:
-    """A workflow (graph.workflow.Workflow) from a file, a shipped workflow's name, or a dict (API or UI format),
+    """A workflow (graph.workflow.parse.Workflow) from a file, a shipped workflow's name, or a dict (API or UI format),
     with `set` applied: {"NODE.INPUT": value}, NODE an id or a node title."""
-    from .workflow import load_workflow
+    from ..graph.workflow.parse import load_workflow
 
     if not isinstance(workflow, Mapping):
         path = Path(workflow).expanduser()
@@ -79,9 +87,9 @@ def load(workflow: str | Path | Mapping[str, Any], set: Mapping[str, Any] | None
         workflow = path
     wf = load_workflow(workflow)
     targets = set_inputs(wf.prompt, set or {}, prefix=prefix)
-    if targets and wf.ui is not None:  # the PNGs' workflow chunk must hold the values that ran (graph/uiedit.py)
+    if targets and wf.ui is not None:  # the PNGs' workflow chunk holds the values that ran (workflow/uiedit.py)
+        from ..graph.workflow.uiedit import ui_with_sets
         from ..nodes import ENGINE_NODES
-        from .uiedit import ui_with_sets
 
         ui, why = ui_with_sets(wf.ui, targets, ENGINE_NODES)
         if ui is None:
@@ -228,10 +236,10 @@ class Pipeline:
         if s.device is not None:  # a wrong device or size is refused now, not at the first image
             parse_device(s.device)
         if s.profile is not None:
-            from .costs import profile as named
+            from ..graph.engine.costs import profile as named
 
             named(s.profile)
-        from .budget import parse_size as size_of
+        from ..graph.engine.budget import parse_size as size_of
 
         for name in ("vram", "reserve", "host"):
             value = getattr(s, name)
@@ -256,7 +264,7 @@ class Pipeline:
 
     @property
     def engine(self) -> Any:
-        """The running engine (graph.executor.Engine), made on first use."""
+        """The running engine (graph.engine.executor.Engine), made on first use."""
         if self._engine is None:
             self._engine = engine_from(self.settings)
         self._engine.previews = self.previews
@@ -381,16 +389,16 @@ class Pipeline:
                 / im["filename"] for im in (ui or {}).get("images", [])]
 
     def validate(self, workflow: str | Path | Mapping[str, Any], *, set: Mapping[str, Any] | None = None) -> Any:
-        """Validate without running (graph.validate's result: `.ok`, `.response()` as ComfyUI's /prompt)."""
+        """Validate without running (graph.workflow.validate's result: `.ok`, `.response()` as ComfyUI's /prompt)."""
+        from ..graph.workflow.validate import validate
         from ..nodes import ENGINE_NODES
-        from .validate import validate
 
         return validate(load(workflow, set).prompt, ENGINE_NODES, self.folders)
 
     def plan(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
              vram: str | int | None = None, size: str | tuple[int, int] | None = None,
              set: Mapping[str, Any] | None = None, prompts: int = 1) -> Any:
-        """The memory plan (graph.planner.Plan) of a workflow, without loading any weight: files that are
+        """The memory plan (graph.plan.planner.Plan) of a workflow, without loading any weight: files that are
         present give their real sizes, absent ones the built-in klein sizes. `vram` plans for another card
         (default: this pipeline's budget); `size` ("WxH") sets every latent size. Several workflows (a list), or
         `prompts` > 1 (each workflow queued that many times, with seeds counting up and texts told apart), are
@@ -401,7 +409,7 @@ class Pipeline:
     def planned(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
                 vram: str | int | None = None, size: str | tuple[int, int] | None = None,
                 set: Mapping[str, Any] | None = None, prompts: int = 1) -> tuple[Any, Any]:
-        """`plan`'s work in full: the prepared prompt (graph.planning.Prepared: the prompt as planned, its costs and
+        """`plan`'s work in full: the prepared prompt (engine.planning.Prepared: the prompt as planned, its costs and
         the plan) and the budget it was planned for (what the plan picture's title names)."""
         if isinstance(prompts, bool) or not isinstance(prompts, int) or prompts < 1:
             raise ValueError(f"prompts={prompts!r}: give a whole number of prompts, 1 or more")
@@ -414,7 +422,7 @@ class Pipeline:
         planning = self._planner(vram)
         if len(queue) == 1:
             return planning.prepare(queue[0]), planning.budget
-        from .queue import merge
+        from ..graph.workflow.queue import merge
 
         outputs = frozenset(k for k, c in planning.nodes.items() if getattr(c, "OUTPUT_NODE", False))
         return planning.prepare(merge(queue, outputs).prompt), planning.budget
@@ -422,11 +430,12 @@ class Pipeline:
     def placed(self, workflow: str | Path | Mapping[str, Any] | Sequence[str | Path | Mapping[str, Any]], *,
                size: str | tuple[int, int] | None = None, set: Mapping[str, Any] | None = None, prompts: int = 1
                ) -> tuple[Any, Any, dict[str, int | None]]:
-        """The placement (graph.placement.Placement) of a workflow (or a queue, as `planned` makes it) on this
+        """The placement (graph.plan.placement.Placement) of a workflow (or a queue, as `planned` makes it) on this
         pipeline's `devices`, without loading any weight; with a size in --vram per device, for cards of those
         sizes (no GPU needed). Returns the prepared prompt, the placement and each device's card size."""
-        from . import estimate, placement
-        from .budget import budget_for
+        from ..graph.engine.budget import budget_for
+        from ..graph.plan import placement
+        from ..graph.workflow import estimate
 
         s = self.settings
         if not s.devices:
@@ -449,13 +458,13 @@ class Pipeline:
         return prep, placed, {n: b.card for n, b in budgets.items()}
 
     def _planner(self, vram: str | int | None) -> Any:
-        """A torch-free planning context (graph.planning.Planning). Torch is imported only to measure a device:
+        """A torch-free planning context (graph.engine.planning.Planning). Torch is imported only to measure a device:
         when one is named, or when no --vram says which card to plan for; with --vram and no device the plan
         is for a card of that size, as a process finds it before it holds any of it."""
+        from ..graph.engine.budget import budget_for
+        from ..graph.engine.costs import cost_for
+        from ..graph.engine.planning import Planning
         from ..nodes.catalog import ModelCatalog
-        from .budget import budget_for
-        from .costs import cost_for
-        from .planning import Planning
 
         s = self.settings
         vram = vram if vram is not None else s.vram

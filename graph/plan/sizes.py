@@ -1,7 +1,7 @@
 """What the planner's passes ask of sizes: byte sums of model sets and variants, the block choices of streamed
 variants (memoised for one plan), each node's kind, and the error for a node that fits with no variant.
 
-Pure: it sees sizes (graph/plantypes.py), never tensors.
+Pure: it sees sizes (graph/plan/types.py), never tensors.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import networkx as nx
 
 from . import residency
 from .order import cycle_error
-from .plantypes import GiB, ModelCost, NodeCost, PlanError, Residency, gib
 from .residency import BlockPlan
+from .types import GiB, ModelCost, NodeCost, PlanError, Residency, gib
 
 if TYPE_CHECKING:
-    from ..nodes.types import Variant
+    from ...nodes.types import Variant
 
 
 class Sizes:
@@ -35,7 +35,7 @@ class Sizes:
         self._of_blocks: Any = None
         self._spec: dict[int, Any] = {}  # id of a Blocks -> the first equal one seen
         self._alone: dict[int, int] = {}
-        self.parts: dict[str, ModelCost] = {}  # kept parts (graph/residency.py) made by pass 3, by key
+        self.parts: dict[str, ModelCost] = {}  # kept parts (graph/plan/residency.py) made by pass 3, by key
         self._base: dict[str, str | None] = {}
         self._keeping: dict[tuple[int, str, int, float], BlockPlan | None] = {}
         self._part: dict[tuple[str, tuple[int, ...]], str] = {}
@@ -143,7 +143,7 @@ class Sizes:
 def node_kinds(dag: nx.DiGraph, costs: list[NodeCost], sizes: Sizes, gpu: int, shortcuts: bool = True
                ) -> tuple[list[int], list[Variant]]:
     """Each node's kind for pass 3's remembered choices, and its provisional variant (the first that fits alone), by
-    the nodes' numbers (`costs`: their NodeCosts, graph/order.py `Shape`).
+    the nodes' numbers (`costs`: their NodeCosts, graph/plan/order.py `Shape`).
 
     Two nodes are of a kind exactly when their variants are equal, field by field: the key is made of plain tuples of
     every field, which hash and compare in C (a variant's blocks by theirs, `Sizes.of_blocks`), and nodes that list

@@ -5,7 +5,7 @@ By default: what the device has free (plus what this process already holds) minu
 holds outside torch's allocator come out of it, and the allocator is capped with
 `torch.cuda.set_per_process_memory_fraction` so that nothing can exceed it unnoticed.
 
-The budget type is the planner's own `Budget` (graph/planner.py); this module measures and parses it, and keeps it
+The budget type is the planner's own `Budget` (graph/plan/planner.py); this module measures and parses it, and keeps it
 live: `live` narrows it to what a `Probe` reads the device has free now (other processes may take memory at any
 time), and `shortage` / `short_plan_error` say so when that leaves too little.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .planner import DEFAULT_RESERVE, Budget, PlanError
+from ..plan.planner import DEFAULT_RESERVE, Budget, PlanError
 
 GiB = 2**30
 HOST_MARGIN = 4 * GiB  # host RAM left to the OS and the rest of the process
@@ -100,7 +100,7 @@ def blas_workspace(index: int) -> int:
     in its peak: bench/results/calibrate.json's first text encode peaked 34 MiB above the same encode later in
     oom_matrix.json). Torch keeps one cuBLAS handle, and so one workspace, per thread. Made here, once per device and
     thread, so that a budget counts it outside the plan rather than in a node (`Engine.run` counts a prompt thread's
-    own: graph/executor.py)."""
+    own: graph/engine/executor.py)."""
     key = (index, threading.get_ident())
     if key not in _WORKSPACE:
         import torch

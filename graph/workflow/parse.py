@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..nodes.types import is_link
+from ...nodes.types import is_link
 from .errors import WorkflowError
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def load_workflow(source: str | Path | Mapping[str, Any], nodes: Mapping[str, ty
                                       "check the path; a workflow is a .json file saved from ComfyUI",
                                       {"source": name}) from e
     if nodes is None:
-        from ..nodes import ENGINE_NODES
+        from ...nodes import ENGINE_NODES
         nodes = ENGINE_NODES
     if is_api_format(data):
         return Workflow(_copy_api(data), None, name)
@@ -160,7 +160,7 @@ def _from_png(path: Path, nodes: Mapping[str, type] | None) -> Workflow:
                                   "PNG's 'prompt' and 'workflow' text chunks; this PNG has neither (saved by "
                                   "another program, or its metadata was stripped)", {"source": name})
     if nodes is None:
-        from ..nodes import ENGINE_NODES
+        from ...nodes import ENGINE_NODES
         nodes = ENGINE_NODES
     ui = found.get("workflow")
     ui = ui if is_ui_format(ui) else None
@@ -354,7 +354,7 @@ class _Converter:
         self.linked: list[tuple[str, str]] = []  # (API node id, input name) of every input set from a link
         self._slots: dict[str, tuple[WidgetSlot, ...]] = {}
         self._scopes: dict[str, _Scope] = {}
-        # where each API input's value is stored in the UI workflow (graph/uiedit.py writes there):
+        # where each API input's value is stored in the UI workflow (graph/workflow/uiedit.py writes there):
         self.widget_at: dict[tuple[str, str], tuple[Any, Any]] = {}  # (id, input) -> (widgets_values, index/key)
         self.source_at: dict[tuple[str, str], tuple] = {}  # ("value", container, key) or ("link", scope, node, i)
 
@@ -497,7 +497,7 @@ class _Converter:
         cls = self.classes.get(kind)
         if cls is None and isinstance(node.get("widgets_values"), list | Mapping):
             # a type we do not know: its widgets cannot be named, but what they hold (a model file, a loader's type)
-            # tells validation which model the workflow is for (graph/families.py)
+            # tells validation which model the workflow is for (graph/workflow/families.py)
             meta["widgets_values"] = copy.deepcopy(node["widgets_values"])
         if cls is not None:
             if kind not in self._slots:

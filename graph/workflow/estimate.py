@@ -13,10 +13,10 @@ from typing import Any
 
 import networkx as nx
 
-from ..nodes.types import UNKNOWN, Cost, ModelInfo, is_link
-from . import planner
+from ...nodes.types import UNKNOWN, Cost, ModelInfo, is_link
+from ..plan import planner
+from ..plan.order import heap_order
 from .errors import NodeExecutionError, _type_name
-from .order import heap_order
 
 
 def inputs_of(prompt: Mapping[str, dict], node: str, values: Mapping[str, tuple]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ needs its outputs, so a model handle or a seed never has to cross. Where a node'
 the value crosses: node outputs live in host memory (nodes/ops.py), so the copy is the consumer's usual host to
 device copy, counted here as a `Transfer` before the consumer may start.
 
-Each lane is then planned by the one-device planner (graph/planner.py) over its own nodes, in the order of one
+Each lane is then planned by the one-device planner (graph/plan/planner.py) over its own nodes, in the order of one
 global run order (the one-device plan's order of the whole graph: work grouped by model), so no two lanes can
 wait on each other in a circle. The predicted finish time lets the lanes run at the same time, each waiting for
 the inputs it imports; a single lane is exactly today's plan.

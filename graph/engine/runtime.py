@@ -40,10 +40,10 @@ class Settings:
     vram: str | int | None = None  # a card size with a unit ("12GiB") or bytes as an int
     reserve: str | int | None = None
     device: str | None = None  # "cuda", "cuda:1", "cpu"
-    devices: str | None = None  # several: "cuda:0,cuda:1" or "all" (graph/devices.py); --vram then per device
+    devices: str | None = None  # several: "cuda:0,cuda:1" or "all" (graph/engine/devices.py); --vram then per device
     dtype: str | None = None  # "bf16" or "fp32"
     host: str | int | None = None  # host RAM budget
-    profile: str | None = None  # cost profile name (graph/costs.py); None: probe the GPU
+    profile: str | None = None  # cost profile name (graph/engine/costs.py); None: probe the GPU
     checkpoints: Sequence[str | Path] = ()  # extra roots whose subfolders are checkpoints
     loras: Sequence[str | Path] = ()  # extra folders of LoRA files
 
@@ -100,7 +100,7 @@ def no_models_hint(folders: Any) -> str | None:
 
 
 def folders_from(settings: Any) -> Any:
-    from ..nodes.files import Folders
+    from ...nodes.files import Folders
 
     s = settings_of(settings)
     cfg = read_config(s)
@@ -154,15 +154,15 @@ def engine_from(settings: Any, allow_builtin: bool = False, host: str | None = N
 
 
 def _devices_from(s: Settings, cfg: dict, allow_builtin: bool, host: str | None) -> Any:
-    """--devices: one engine per device (graph/devices.py), each with its own budget (--vram one size or one per
+    """--devices: one engine per device (graph/engine/devices.py), each with its own budget (--vram one size or one per
     device) and an equal part of the host RAM budget; a device that cannot be opened is left out with a warning."""
     import torch
 
+    from ..plan.placement import parse_devices, split_sizes
     from .budget import budget_for, host_available, parse_size
     from .costs import cost_for
     from .devices import devices_from
     from .executor import Engine
-    from .placement import parse_devices, split_sizes
 
     if s.device is not None:
         raise ValueError("--device and --devices: give one of them")
@@ -184,7 +184,7 @@ def _devices_from(s: Settings, cfg: dict, allow_builtin: bool, host: str | None)
 def prepare_demo(folder: str | Path = DEMO_FOLDER) -> tuple[Path, Path]:
     """Tiny random-weight models under the shipped workflows' file names in `folder/models`, and the input images
     the shipped edit workflows load in `folder/input`, each written once; returns (models, input)."""
-    from ..models.tiny import SHIPPED_NAMES, write_tiny_models
+    from ...models.tiny import SHIPPED_NAMES, write_tiny_models
 
     folder = Path(folder)
     models, inputs = folder / "models", folder / "input"

@@ -6,9 +6,9 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
 
 0. A node that needs nothing (one variant without models, streams or GPU bytes, whose outputs hold no host RAM: a
    loader, a save, ComfyUI's noise and guider nodes) runs as soon as its inputs are ready; the passes order and weigh
-   only the others, with an edge wherever one reads another's output directly or through such nodes (graph/order.py
+   only the others, with an edge wherever one reads another's output directly or through such nodes (graph/plan/order.py
    `Shape`).
-1. **Order** (graph/order.py `run_order`). A topological order built one node at a time. Among the ready nodes,
+1. **Order** (graph/plan/order.py `run_order`). A topological order built one node at a time. Among the ready nodes,
    prefer one whose preferred variant's models are already resident (this groups work by model: a queue of N prompts
    becomes encode all, sample all, decode all), then one that would not push out a resident model that a later node
    still needs (a queued edit's decode that cannot sit beside the transformer waits until every prompt has sampled),
@@ -17,21 +17,21 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    that need nothing, has run) must stay within `budget.host` minus the pinned copies that already exist; a ready
    node that would exceed it is passed over, which falls back to finishing the earlier chains first. Residency in
    this pass is a rough sketch (least recently used models leave when the budget is exceeded); the real residency is
-   decided in pass 3. Then graph/early.py moves each node that finishes an output (a decode, its save) up to where
+   decided in pass 3. Then graph/plan/early.py moves each node that finishes an output (a decode, its save) up to where
    its models join the resident ones for free, by the same sketch. The sketch counts a streamed node at its least
    need, while pass 3 gives it all the room there is, so where pass 3 on that order loads a model twice or streams,
-   it also runs on the order grouped stage by stage (graph/order.py `grouped_order`: every prompt's encode, then
+   it also runs on the order grouped stage by stage (graph/plan/order.py `grouped_order`: every prompt's encode, then
    every reference, sample, decode), with results early and without, and the order whose residency moves the fewest
    bytes, loads and streaming together, is kept (results early on a tie; orders that differ only where nodes without
    GPU use run are one order to pass 3).
-2. **Pinned copies** (graph/assign.py `choose_pins`). Only a model that gets unloaded is ever reloaded, so only such
+2. **Pinned copies** (plan/assign.py `choose_pins`). Only a model that gets unloaded is ever reloaded, so only such
    models get a pinned host copy: those unloaded in this run or, with `repeat`, in the next one, and every model of
    the run when they cannot all stay on the GPU together (another prompt may push any of them out), while host RAM
    allows (`budget.host` minus the peak of live outputs), models loaded most often first, then the largest. The copy
    is read from the file in the background when the model is first loaded (`Load(pin=True)`) and kept: later unloads
    free the GPU copy only (`Unload(to="pinned")`) and reloads run at pinned PCIe speed. Without a pinned copy an
    unload drops the weights (`Unload(to="drop")`) and the reload reads the file again.
-3. **Residency and variants** (graph/assign.py `assign`). Weights are like registers. Before each Run the chosen
+3. **Residency and variants** (graph/plan/assign.py `assign`). Weights are like registers. Before each Run the chosen
    variant's models must be resident; unloads happen only when resident weights + missing weights + the variant's
    activation exceed `budget.gpu`. Models the node does not need are evicted in order of their eviction cost: free
    first (never used again, or forced out anyway before their next use because that node and the model cannot fit
@@ -42,10 +42,10 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    evictions cause; variants within `TIE` (0.1 %) of the least count as equally fast, and of those the one that
    copies the fewest bytes host->GPU wins (its note says so).
    A node that streams a model block by block leaves its resident part (the weights outside the blocks and its
-   resident blocks) on the GPU as a *kept part* (graph/residency.py `part_key`), a model of its own in the residency:
-   evicted like any other (its reload is its upload by the next node that streams the model), taken over by that
-   node, which then uploads nothing before its first pass when it keeps the same blocks, and unloaded before its
-   model loads whole.
+   resident blocks) on the GPU as a *kept part* (graph/plan/residency.py `part_key`), a model of its own in the
+   residency: evicted like any other (its reload is its upload by the next node that streams the model), taken over
+   by that node, which then uploads nothing before its first pass when it keeps the same blocks, and unloaded before
+   its model loads whole.
 
 Nothing is ever unloaded unless a node forces it out, and nothing is loaded before the node that needs it.
 """
@@ -60,7 +60,8 @@ import networkx as nx
 from . import assign as pass3
 from .early import FinishEarly
 from .order import Shape, cycle_error, grouped_order, host_peak, run_order, uses_gpu
-from .plantypes import (
+from .sizes import Sizes, all_fit, node_kinds
+from .types import (
     DEFAULT_RESERVE,
     Budget,
     CostModel,
@@ -76,13 +77,12 @@ from .plantypes import (
     Step,
     Unload,
 )
-from .sizes import Sizes, all_fit, node_kinds
 
 TIE = pass3.TIE
 _SHORTCUTS = True  # pass 3's remembered choices and the passes plan() leaves out where they would change nothing;
 #                    False: every node weighed, every pass run (tests/test_fast_paths.py compares the plans)
 
-_H200 = CostModel()  # the default cost profile (graph/costs.py)
+_H200 = CostModel()  # the default cost profile (graph/engine/costs.py)
 _NOTHING = Residency()  # the default start: no weights anywhere
 
 __all__ = ["DEFAULT_RESERVE", "TIE", "Budget", "CostModel", "GiB", "Load", "ModelCost", "NodeCost", "Plan", "PlanError",
@@ -91,7 +91,7 @@ __all__ = ["DEFAULT_RESERVE", "TIE", "Budget", "CostModel", "GiB", "Load", "Mode
 
 def _validate(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, ModelCost],
               start: Residency, gpu: int) -> tuple[list[str], set[str]]:
-    """The DAG's nodes and those of them that need nothing (graph/order.py `Shape`: the passes leave them
+    """The DAG's nodes and those of them that need nothing (graph/plan/order.py `Shape`: the passes leave them
     out), after checking that every node has a cost and every model a size."""
     def fault(message: str) -> ValueError:
         return cycle_error(dag) or ValueError(message)
@@ -159,7 +159,7 @@ def _plan(dag: nx.DiGraph, costs: Mapping[str, NodeCost], models: Mapping[str, M
         models = {**models, **{m.key: m for m in start.kept if m.key in start.gpu}}
     nodes, free = _validate(dag, costs, models, start, budget.gpu)
     shape = Shape(dag, nodes, free, costs)  # the passes order the nodes that need something, by number
-    #                                         (graph/order.py)
+    #                                         (graph/plan/order.py)
     ncs = shape.costs
     sizes = Sizes(models)
     kinds, prov = node_kinds(dag, ncs, sizes, budget.gpu, _SHORTCUTS)

@@ -1,5 +1,5 @@
 """Several devices in one process: one Engine per device, a prompt (or a queue merged into one) placed on them by
-graph/placement.py and run with every device working at once.
+graph/plan/placement.py and run with every device working at once.
 
 Each engine runs its lane of the placement as an ordinary run of the prompt with the lane's plan; an input made
 in another lane is taken from the `Exchange` (waiting until that lane has made it; outputs are host tensors,
@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..nodes.types import ModelInfo
-from . import estimate, placement, planner
+from ...nodes.types import ModelInfo
+from ..plan import placement, planner
+from ..workflow import estimate
 from .executor import Engine, Events, RunResult, _quiet
 from .planning import Prepared
 

@@ -14,7 +14,7 @@ least recently used out.
 The sketch counts a streamed node at its least need (its variant's `activation`), but the planner gives it whatever
 room there is: a streamed sampler may push out the VAE that a decode here let in beside it, and the next decode loads
 it again. So the planner keeps this order only where its residency moves no more bytes than pass 1's order or the
-order grouped stage by stage (graph/planner.py `plan`).
+order grouped stage by stage (graph/plan/planner.py `plan`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..nodes.types import Variant
+    from ...nodes.types import Variant
 
 _NONE: frozenset[str] = frozenset()
 
@@ -32,7 +32,7 @@ _NONE: frozenset[str] = frozenset()
 class FinishEarly:
     """The pass for one graph, its nodes' variants and one budget; what does not depend on the order (which nodes
     finish, how many inputs each waits for, the activations left per set of models) is found once, since the planner
-    runs the pass on more than one order of the same nodes. Nodes are numbers (graph/order.py `Shape`) and sets of
+    runs the pass on more than one order of the same nodes. Nodes are numbers (graph/plan/order.py `Shape`) and sets of
     models are numbered by first appearance: the pass walks lists by those numbers."""
 
     def __init__(self, succs: Sequence[Sequence[int]], topo: Sequence[int], prov: Sequence[Variant],

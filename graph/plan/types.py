@@ -1,8 +1,8 @@
 """The planner's inputs (the sizes and costs it sees) and its output: a Plan of Load, Unload and Run steps.
 
-Plain frozen dataclasses, no torch and no node module: graph/estimate.py turns node estimates into NodeCost and
-ModelCost, graph/budget.py makes the Budget, graph/costs.py the CostModel; graph/planner.py plans; the executor, the
-timeline and the server read the Plan. graph/planner.py re-exports every name here.
+Plain frozen dataclasses, no torch and no node module: graph/workflow/estimate.py turns node estimates into NodeCost and
+ModelCost, engine/budget.py makes the Budget, engine/costs.py the CostModel; plan/planner.py plans; the executor, the
+timeline and the server read the Plan. graph/plan/planner.py re-exports every name here.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import networkx as nx
 from .residency import BlockPlan
 
 if TYPE_CHECKING:  # only a name in annotations: the planner runs on costs, never imports a node module
-    from ..nodes.types import Variant
+    from ...nodes.types import Variant
 
 GiB = 2**30
-DEFAULT_RESERVE = 128 * 2**20  # what torch's allocator holds above the live tensors (graph/budget.py: measured)
+DEFAULT_RESERVE = 128 * 2**20  # what torch's allocator holds above the live tensors (graph/engine/budget.py: measured)
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -49,7 +49,7 @@ class NodeCost:
 
 @dataclass(frozen=True)
 class CostModel:
-    """What moving and computing cost on one machine (graph/costs.py: named profiles and the start-up probe).
+    """What moving and computing cost on one machine (graph/engine/costs.py: named profiles and the start-up probe).
     The defaults are the H200's measured constants; node estimates state their seconds on the H200 too."""
 
     h2d_pinned: float = 55.3e9  # bytes/s, host->GPU from pinned host memory (H200 measured)
@@ -70,7 +70,7 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Budget:
-    """The GPU and host memory a plan must stay within (graph/budget.py measures it or parses --vram)."""
+    """The GPU and host memory a plan must stay within (graph/engine/budget.py measures it or parses --vram)."""
 
     gpu: int  # bytes the plan may use on the GPU (weights + activations), reserve already subtracted
     host: int  # bytes of host RAM for pinned copies of weights and node outputs (host_bytes)
@@ -88,7 +88,7 @@ class Residency:
 
     gpu: frozenset[str] = frozenset()
     pinned: frozenset[str] = frozenset()  # models with a pinned host copy
-    kept: tuple[ModelCost, ...] = ()  # the kept parts in `gpu` (graph/residency.py), so that a plan starting from
+    kept: tuple[ModelCost, ...] = ()  # the kept parts in `gpu` (graph/plan/residency.py), so that a plan starting from
     #                                   this residency knows their bytes
 
 
@@ -135,7 +135,7 @@ class PlannedStep:
     seconds: float  # predicted
     note: str = ""  # why this step is here (shown to users)
     streams: tuple[str, ...] = ()  # Run: models its variant reads from host memory while it runs (never resident)
-    blocks: BlockPlan | None = None  # Run that streams a model block by block: which blocks stay (graph/residency.py)
+    blocks: BlockPlan | None = None  # Run that streams a model block by block: which blocks stay (plan/residency.py)
 
 
 class PlanError(ValueError):

@@ -18,7 +18,7 @@ from typing import Any
 
 import networkx as nx
 
-from ..nodes.types import is_link
+from ...nodes.types import is_link
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ _KEY_TEXT = json.JSONEncoder(sort_keys=True, default=str)  # json.dumps(key, sor
 
 def digest(key: Any) -> str:
     """The sha256 hex digest of `key` as JSON with sorted keys (other values by their str): what two nodes of a queue
-    are merged by, and what a node's signature is made of (graph/planning.py)."""
+    are merged by, and what a node's signature is made of (graph/engine/planning.py)."""
     return hashlib.sha256(_KEY_TEXT.encode(key).encode()).hexdigest()
 
 

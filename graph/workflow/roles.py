@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKFLOWS = Path(__file__).parent.parent / "workflows"
+WORKFLOWS = Path(__file__).parents[2] / "workflows"
 LOADERS = {"transformer": "VGLoadTransformer", "text_encoder": "VGLoadTextEncoder", "vae": "VGLoadVAE"}
 
 

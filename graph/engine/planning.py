@@ -16,15 +16,16 @@ from typing import Any
 
 import networkx as nx
 
-from ..nodes import ENGINE_NODES
-from ..nodes.catalog import ModelCatalog
-from ..nodes.files import MODEL_EXTENSIONS, Folders
-from ..nodes.lora import identity_of as _identity
-from ..nodes.types import is_link, is_mapping
-from . import estimate, planner
-from .errors import ValidationFailed
-from .queue import digest
-from .validate import Defaults, inputs_with_defaults, validate
+from ...nodes import ENGINE_NODES
+from ...nodes.catalog import ModelCatalog
+from ...nodes.files import MODEL_EXTENSIONS, Folders
+from ...nodes.lora import identity_of as _identity
+from ...nodes.types import is_link, is_mapping
+from ..plan import planner
+from ..workflow import estimate
+from ..workflow.errors import ValidationFailed
+from ..workflow.queue import digest
+from ..workflow.validate import Defaults, inputs_with_defaults, validate
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""Passes 2 and 3 of the planner (graph/planner.py): the pinned host copies, and residency and variants along a
+"""Passes 2 and 3 of the planner (graph/plan/planner.py): the pinned host copies, and residency and variants along a
 fixed order, with the look ahead for evictions and the choices remembered for a queue's repeated nodes.
 
-Pure: it sees sizes and predicted seconds (graph/plantypes.py), never tensors.
+Pure: it sees sizes and predicted seconds (graph/plan/types.py), never tensors.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from . import residency
 from .order import Shape
-from .plantypes import Budget, CostModel, Load, NodeCost, PlannedStep, Residency, Run, Unload, gib
 from .residency import BlockPlan
 from .sizes import Sizes
+from .types import Budget, CostModel, Load, NodeCost, PlannedStep, Residency, Run, Unload, gib
 
 if TYPE_CHECKING:
-    from ..nodes.types import Variant
+    from ...nodes.types import Variant
 
 _INF = math.inf
 _PINNING = ", pinned while loading"  # a Load's note, after the node it is for, where it makes a pinned copy
@@ -38,7 +38,7 @@ assert _FIELDS[Run] == ("node", "variant") and tuple(f.name for f in dataclasses
 class Assigned:
     rows: list[tuple]  # each step as (Run/Load/Unload, its fields, then PlannedStep's other fields, the note perhaps
     #                    as _run_note's arguments): plan() makes steps only of the pass it returns
-    order: list[int]  # the nodes (graph/order.py `Shape` numbers) in their order
+    order: list[int]  # the nodes (graph/plan/order.py `Shape` numbers) in their order
     chosen: list[Variant]  # per node: its variant
     end: Residency
     loads: Counter[str]
@@ -49,7 +49,7 @@ class Assigned:
     held_start: int  # ... and at the start
 
     def steps(self, shape: Shape, cm: CostModel, start: tuple[str, ...]) -> tuple[PlannedStep, ...]:
-        """The plan's steps, with the nodes that need nothing (graph/order.py `Shape`) where they run: before the first
+        """The plan's steps, with the nodes that need nothing (plan/order.py `Shape`) where they run: before the first
         node (on the GPU as it is at the start, `start`) or right after the node they waited for."""
         notes: dict[int, str] = {}  # _run_note of each arguments tuple (the nodes of a remembered choice share one)
         first, followers = shape.expand(self.order)
@@ -257,7 +257,7 @@ def assign(order: list[int], shape: Shape, sizes: Sizes, budget: Budget, cm: Cos
     w = {k: m.nbytes for k, m in sizes.models.items()}
     w.update((k, m.nbytes) for k, m in sizes.parts.items())
     resident: list[str] = sorted(start.gpu)
-    kept: dict[str, str] = {}  # model -> the key of its kept part on the GPU (graph/residency.py)
+    kept: dict[str, str] = {}  # model -> the key of its kept part on the GPU (graph/plan/residency.py)
     for m in resident:
         if sizes.base(m) is not None:
             kept[sizes.base(m)] = m

@@ -6,7 +6,7 @@ Top to bottom, every column one step of the plan:
 - a title: the workflow, the card (or the budget) and the image size(s); a line of totals under it; a key;
 - GPU memory after each step: stacked bars, one colour per model, activations on top, the budget line;
 - one lane per model: on the GPU (filled), only its kept part on the GPU (the lower half filled: what a node
-  that streamed it left there, graph/residency.py), pinned copy in host RAM (thin bar), streamed from host RAM
+  that streamed it left there, graph/plan/residency.py), pinned copy in host RAM (thin bar), streamed from host RAM
   (outline), not loaded (grey line); a green triangle where it is loaded, a red one where it (or its kept part) is
   unloaded;
 - the steps in order, under their columns: node id and class of each Run, "load" / "unload" of the others.
@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from html import escape
 from typing import Any
 
-from .planner import GiB, Load, Plan, Run, Unload
-from .residency import part_of
+from ..plan.planner import GiB, Load, Plan, Run, Unload
+from ..plan.residency import part_of
 
 _PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f", "#bab0ac")
 _ACTIVATION = "#e15759"

@@ -14,7 +14,7 @@ Owned by the executor and changed only by the plan's Load/Unload steps; it decid
 - `Unload(to="drop")` forgets the model's weights everywhere; a later load reads the file again.
 - A node that streams a model block by block leaves its resident part (the weights outside the blocks and the
   resident blocks, one device buffer: models/streaming.py `Kept`) here after it ends; it is on the GPU under the
-  part's own key (graph/residency.py `part_key`) until the next node streaming the model takes it over, or an
+  part's own key (graph/plan/residency.py `part_key`) until the next node streaming the model takes it over, or an
   `Unload` of that key frees it.
 """
 
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models import loading, lora
-from ..models.streaming import Kept
-from ..nodes.types import ModelInfo
-from . import residency
-from .planner import ModelCost, Residency
+from ...models import loading, lora
+from ...models.streaming import Kept
+from ...nodes.types import ModelInfo
+from ..plan import residency
+from ..plan.planner import ModelCost, Residency
 
 log = logging.getLogger("vramgraph.ledger")
 

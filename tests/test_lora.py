@@ -350,3 +350,34 @@ def test_the_plan_chooses_merged_or_on_the_fly_and_counts_it():
         for v, b in zip(got, base, strict=True):
             assert v.activation > b.activation and v.seconds > b.seconds and "LoRA" in v.note
     assert with_lora_costs(plain, base, tokens, 4) == base
+
+
+def test_fp8_layers_and_streamed_blocks_take_loras_on_the_fly(tmp_path):
+    """An fp8 model (ComfyUI's per-tensor e4m3 layout): merged mode leaves the fp8 weights as they are and hooks those
+    layers, equal to the reference merged into the dequantized weights; a streamed pass with the hooks equals the
+    resident one."""
+    from vramgraph.models.common import infos_from_state_dict
+    from vramgraph.models.flux2 import load_transformer
+    from vramgraph.models.streaming import stream_blocks
+    from vramgraph.models.tiny import quantize_fp8
+
+    base = _model()
+    sd, _ = quantize_fp8(base.state_dict(), layers=lambda k: "_blocks." in k)
+    fp8 = load_transformer(infos_from_state_dict(sd), CFG, dtype=torch.float32, fp8_compute="dequant")
+    deq = _model()
+    with torch.no_grad():
+        deq.load_state_dict({k: v.float() for k, v in base.state_dict().items()})
+        for name, m in fp8.named_modules():
+            if hasattr(m, "dequantized"):
+                deq.get_submodule(name).weight.copy_(m.dequantized(torch.float32))
+    path = write_lora(tmp_path / "l.safetensors", transformer_modules(CFG, "bfl"), dtype="float32", alpha=2.0)
+    use = lora.Use(lora_format.parse(path, CFG, None), "transformer", 1.0)
+    want = expected_state(deq, path, "bfl", 1.0)
+    ref = _model()
+    ref.load_state_dict({k: v.float() for k, v in want.items()})
+    stored = {k: v.clone() for k, v in fp8.state_dict().items() if v.dtype == torch.float8_e4m3fn}
+    with lora.applied(fp8, [use], "merged"):
+        torch.testing.assert_close(_forward(fp8), _forward(ref), rtol=1e-4, atol=1e-4)
+        assert all(torch.equal(fp8.state_dict()[k].view(torch.uint8), v.view(torch.uint8)) for k, v in stored.items())
+    with lora.applied(fp8, [use], "onthefly"), stream_blocks(fp8, "cpu", resident=(0,)) as m:
+        torch.testing.assert_close(_forward(m), _forward(ref), rtol=1e-4, atol=1e-4)

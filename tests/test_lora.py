@@ -381,3 +381,31 @@ def test_fp8_layers_and_streamed_blocks_take_loras_on_the_fly(tmp_path):
         assert all(torch.equal(fp8.state_dict()[k].view(torch.uint8), v.view(torch.uint8)) for k, v in stored.items())
     with lora.applied(fp8, [use], "onthefly"), stream_blocks(fp8, "cpu", resident=(0,)) as m:
         torch.testing.assert_close(_forward(m), _forward(ref), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_peft_merges_the_same_weights(dora):
+    """PEFT's own LoRA and DoRA layers (the library diffusers applies LoRAs with), merged by PEFT, against ours."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(24, 40, bias=False))
+    base = net[0].weight.detach().clone()
+    model = get_peft_model(net, LoraConfig(r=4, lora_alpha=6, target_modules=["0"], use_dora=dora,
+                                           init_lora_weights=False))
+    layer = model.base_model.model[0]
+    tensors = {"down": layer.lora_A["default"].weight.detach().clone(),
+               "up": layer.lora_B["default"].weight.detach().clone()}
+    if dora:
+        tensors["dora_scale"] = layer.lora_magnitude_vector["default"].weight.detach().clone()  # (out,)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        want_out = model(x)
+        want = model.merge_and_unload()[0].weight.detach()
+        adapter = lora.Adapter(lora_format.Target("m", "0.weight", "lora", ()), tensors, alpha=6.0)
+        torch.testing.assert_close(adapter.merge(base.clone(), 1.0), want, rtol=1e-5, atol=1e-6)
+        hooked = torch.nn.Linear(24, 40, bias=False)
+        hooked.weight.copy_(base)
+        hooked.register_forward_hook(lora._Hook(hooked, [(adapter, 1.0)]))
+        torch.testing.assert_close(hooked(x), want_out, rtol=1e-5, atol=1e-5)

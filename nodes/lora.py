@@ -101,33 +101,58 @@ def identity_of(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class LoraCost:
-    """What applying a model's LoRA chain costs one node, each way."""
+    """What applying a model's LoRA chain costs one node, each way. fp8 layers take their LoRAs on the fly either
+    way (a merge would have to dequantize, merge and quantize again): their share is counted in both."""
 
     adapter_bytes: int  # adapter tensors on the GPU while the node runs (on the fly)
     fly_activation: int  # extra output of the widest changed layer (on the fly)
     fly_seconds: float  # over the node's model calls
-    merge_transient: int  # the widest layer in fp32 twice, while merging
-    merge_seconds: float  # restoring and merging every changed layer once
+    merge_transient: int  # the widest plain layer in fp32 twice, while merging
+    merge_seconds: float  # restoring and merging every changed plain layer once
+    fp8_bytes: int = 0  # adapters and activation of the fp8 layers' LoRAs (on the fly also when merging)
+    fp8_seconds: float = 0.0
 
     def mode(self, streamed: bool) -> str:
-        return "onthefly" if streamed or self.fly_seconds <= self.merge_seconds else "merged"
+        merged = self.merge_seconds + self.fp8_seconds
+        return "onthefly" if streamed or self.fly_seconds <= merged else "merged"
+
+
+def _fp8_blocks(model: ModelInfo) -> frozenset[str]:
+    """The blocks ("double_blocks.3", "layers.7") whose weights the checkpoint stores in fp8."""
+    quant = getattr(model.spec, "quant_blocks", ()) if model.spec is not None else ()
+    return frozenset(b for b, n, _ in quant if n)
+
+
+def _block(param: str) -> str:
+    parts = param.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("double_blocks", "single_blocks", "layers") else "shared"
+
+
+def _fly(refs: tuple[tuple[LoraRef, tuple], ...], tokens: int, item: int) -> tuple[float, int, int]:
+    """(seconds per call, adapter bytes, activation) of these LoRAs' layers on the fly."""
+    per_call, adapters, widest = 0.0, 0, 0
+    for r, touched in refs:
+        for _, o, i in touched:
+            # read x and the low-rank middle, read and write the layer's output; a few small kernels
+            per_call += tokens * (i + 2 * o + 2 * (r.rank or 1)) * item / HBM_BYTES_PER_S
+            per_call += KERNELS_PER_ADAPTER * KERNEL_SECONDS
+            widest = max(widest, o)
+        adapters += r.nbytes * len(touched) // max(r.layers, 1)  # as stored (bf16 files: as used)
+    return per_call, adapters, tokens * widest * item
 
 
 def lora_cost(model: ModelInfo, tokens: int, calls: int, item: int = 2) -> LoraCost:
     """Bytes and seconds of `model.loras` for a node making `calls` model calls over `tokens` tokens each."""
-    touched = {p: (o, i) for r in model.loras for p, o, i in r.touched}
-    n_adapters = sum(r.layers for r in model.loras)
-    rank = max((r.rank for r in model.loras), default=0) or 1
-    widest = max((o for o, _ in touched.values()), default=0)
-    # on the fly, per call: read x and the low-rank middle, read and write the output of every changed layer
-    per_call = sum(tokens * (i + 2 * o + 2 * rank) * item for r in model.loras for _, o, i in r.touched)
-    per_call /= HBM_BYTES_PER_S  # every LoRA adds its own products; a merge covers them all in one pass
-    per_call += n_adapters * KERNELS_PER_ADAPTER * KERNEL_SECONDS
-    layer_bytes = sum(o * i * item for o, i in touched.values())
+    fp8 = _fp8_blocks(model)
+    split = {q: tuple((r, tuple(t for t in r.touched if (_block(t[0]) in fp8) == q)) for r in model.loras)
+             for q in (False, True)}
+    per_call, adapters, act = _fly(tuple((r, r.touched) for r in model.loras), tokens, item)
+    q_call, q_adapters, q_act = _fly(split[True], tokens, item)
+    plain = {p: (o, i) for _, touched in split[False] for p, o, i in touched}  # a merge covers a layer's LoRAs at once
+    layer_bytes = sum(o * i * item for o, i in plain.values())
     merge = 3 * layer_bytes / HBM_BYTES_PER_S + layer_bytes / H2D_PINNED_BYTES_PER_S  # merge in fp32, restore
-    big = max((o * i for o, i in touched.values()), default=0)
-    adapters = sum(r.nbytes for r in model.loras)  # as stored (bf16 files: as used)
-    return LoraCost(adapters, tokens * widest * item, per_call * calls, 2 * 4 * big, merge)
+    big = max((o * i for o, i in plain.values()), default=0)
+    return LoraCost(adapters, act, per_call * calls, 2 * 4 * big, merge, q_adapters + q_act, q_call * calls)
 
 
 def with_lora_costs(model: ModelInfo, variants: tuple[Variant, ...], tokens: int, calls: int,
@@ -142,9 +167,11 @@ def with_lora_costs(model: ModelInfo, variants: tuple[Variant, ...], tokens: int
         streamed = bool(v.streams) or v.name.startswith("stream")
         mode = "onthefly" if model.placement == "cpu" and v.name == "cpu" else c.mode(streamed)
         if mode == "merged":
-            extra, secs = c.merge_transient, c.merge_seconds
+            extra, secs = max(c.merge_transient, c.fp8_bytes), c.merge_seconds + c.fp8_seconds
             what = f"{len(model.loras)} LoRA(s) merged into {sum(r.layers for r in model.loras)} layers " \
-                   f"({secs:.3f} s once, {c.merge_transient / 2**20:.0f} MiB while merging)"
+                   f"({c.merge_seconds:.3f} s once, {c.merge_transient / 2**20:.0f} MiB while merging" + \
+                   (f"; its fp8 layers on the fly: {c.fp8_seconds:.3f} s, {c.fp8_bytes / 2**20:.0f} MiB)"
+                    if c.fp8_bytes else ")")
         else:
             extra, secs = c.adapter_bytes + c.fly_activation, c.fly_seconds
             what = f"{len(model.loras)} LoRA(s) on the fly ({c.adapter_bytes / 2**20:.1f} MiB of adapters, " \

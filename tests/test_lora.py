@@ -4,6 +4,7 @@ adapter math (LoRA, DoRA, LoHa, LoKr) merged and on the fly equals the reference
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -350,6 +351,12 @@ def test_the_plan_chooses_merged_or_on_the_fly_and_counts_it():
         for v, b in zip(got, base, strict=True):
             assert v.activation > b.activation and v.seconds > b.seconds and "LoRA" in v.note
     assert with_lora_costs(plain, base, tokens, 4) == base
+    # an fp8 checkpoint (BFL's: block linears in fp8): those layers stay on the fly, so nothing is left to merge
+    spec = types.SimpleNamespace(quant_blocks=tuple(('.'.join(p.split('.')[:2]), 1, 1) for p, *_ in touched))
+    fp8 = dataclasses.replace(model, spec=spec)
+    assert [v.lora_mode for v in with_lora_costs(fp8, base, tokens, 50)] == ["onthefly", "onthefly"]
+    c = lora_cost(fp8, tokens, 50)
+    assert c.merge_seconds == 0 and c.fp8_seconds == pytest.approx(c.fly_seconds)
 
 
 def test_fp8_layers_and_streamed_blocks_take_loras_on_the_fly(tmp_path):

@@ -394,3 +394,27 @@ def test_loaders_refuse_unrun_quantisations_at_comfyui_validation(pack, models):
     finally:
         bad.unlink()
     assert isinstance(msg, str) and msg.startswith(f"{bad.name}: layer ") and "it is quantised as 'nvfp4'" in msg
+
+
+def test_vg_lora_loader_inside_comfyui(pack, models):
+    """VGLoraLoader inside ComfyUI: the file from ComfyUI's loras folder, applied on the fly (ComfyUI moves our
+    modules between devices), the cached host weights left as they were."""
+    from vramgraph.models.lora_make import text_encoder_modules, transformer_modules, write_lora
+    from vramgraph.models.tiny import TINY_QWEN3, TINY_TRANSFORMER
+
+    write_lora(models / "loras" / "style.safetensors", transformer_modules(TINY_TRANSFORMER, "kohya") +
+               text_encoder_modules(TINY_QWEN3, "comfy_te"), rank=4, scale=0.3)
+    m = pack.NODE_CLASS_MAPPINGS
+    assert "style.safetensors" in m["VGLoraLoader"].INPUT_TYPES()["required"]["lora_name"][0]
+    (tr,) = m["VGLoadTransformer"]().load(file="flux-2-klein-4b.safetensors")
+    (te,) = m["VGLoadTextEncoder"]().load(file="qwen_3_4b.safetensors")
+    tr2, te2 = m["VGLoraLoader"]().load_lora(model=tr, clip=te, lora_name="style.safetensors", strength_model=1.0,
+                                             strength_clip=1.0)
+    assert len(tr2.info.loras) == 1 and len(te2.info.loras) == 1 and tr2.key == tr.key
+    (latent,) = m["VGEmptyLatent"]().generate(width=64, height=64, batch_size=1)
+    outs = []
+    for model, clip in ((tr, te), (tr2, te2), (tr, te)):
+        (cond,) = m["VGTextEncode"]().encode(text_encoder=clip, text="a hedgehog")
+        (s,) = m["VGSampler"]().sample(model=model, positive=cond, latent=latent, seed=3, steps=1, guidance=1.0)
+        outs.append(s["samples"])
+    assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

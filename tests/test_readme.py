@@ -92,3 +92,24 @@ def test_readme_python_api_runs(folder: Path) -> None:
                           capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (folder / "fox-api.png").is_file() and "Load" in done.stdout
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_readme_is_a_short_page_and_every_link_resolves() -> None:
+    """README.md is a newcomer's page (<= 150 lines); it and every page of docs/ link only to files that exist."""
+    assert len(README.read_text().splitlines()) <= 150
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) >= 6
+    broken = []
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a web address or an anchor on the same page
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists() or ROOT not in path.parents:
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+    linked = {(ROOT / t.split("#")[0]).resolve() for t in LINK.findall(README.read_text()) if t.startswith("docs/")}
+    assert linked >= set(pages[1:]), "every docs page is linked from the README"

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .comfy import context as comfy_context
@@ -155,6 +155,18 @@ def lora_cost(model: ModelInfo, tokens: int, calls: int, item: int = 2) -> LoraC
     return LoraCost(adapters, act, per_call * calls, 2 * 4 * big, merge, q_adapters + q_act, q_call * calls)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraChoice:
+    """What a variant of a node running a LoRA'd model knows of its LoRAs: the chain (for nodes sharing one merge)
+    and both ways' costs, and the variant as it was without them (to apply the other way)."""
+
+    chain: tuple  # the model key and its LoRAs (path, file identity, strength)
+    cost: LoraCost
+    base: Variant
+    count: int  # LoRAs in the chain
+    layers: int  # layers they change, counted per LoRA
+
+
 def with_lora_costs(model: ModelInfo, variants: tuple[Variant, ...], tokens: int, calls: int,
                     item: int = 2) -> tuple[Variant, ...]:
     """Each variant with its way of applying the model's LoRAs (the faster by predicted seconds; streamed
@@ -162,26 +174,63 @@ def with_lora_costs(model: ModelInfo, variants: tuple[Variant, ...], tokens: int
     if not model.loras:
         return variants
     c = lora_cost(model, tokens, calls, item)
+    chain = (model.key, tuple((r.path, r.source, r.strength) for r in model.loras))
     out = []
     for v in variants:
-        streamed = bool(v.streams) or v.name.startswith("stream")
-        mode = "onthefly" if model.placement == "cpu" and v.name == "cpu" else c.mode(streamed)
-        if mode == "merged":
-            extra, secs = max(c.merge_transient, c.fp8_bytes), c.merge_seconds + c.fp8_seconds
-            what = f"{len(model.loras)} LoRA(s) merged into {sum(r.layers for r in model.loras)} layers " \
-                   f"({c.merge_seconds:.3f} s once, {c.merge_transient / 2**20:.0f} MiB while merging" + \
-                   (f"; its fp8 layers on the fly: {c.fp8_seconds:.3f} s, {c.fp8_bytes / 2**20:.0f} MiB)"
-                    if c.fp8_bytes else ")")
-        else:
-            extra, secs = c.adapter_bytes + c.fly_activation, c.fly_seconds
-            what = f"{len(model.loras)} LoRA(s) on the fly ({c.adapter_bytes / 2**20:.1f} MiB of adapters, " \
-                   f"{c.fly_activation / 2**20:.0f} MiB activation, {secs:.3f} s)"
-        note = f"{v.note}; {what}" if v.note else what
-        blocks = dataclasses.replace(v.blocks, activation=v.blocks.activation + extra) if v.blocks else None
-        activation = blocks.min_gpu() if blocks is not None else v.activation + extra
-        out.append(dataclasses.replace(v, activation=activation, seconds=v.seconds + secs, note=note, blocks=blocks,
-                                       lora_mode=mode))
+        choice = LoraChoice(chain, c, v, len(model.loras), sum(r.layers for r in model.loras))
+        mode = "onthefly" if model.placement == "cpu" and v.name == "cpu" else c.mode(_streamed(v))
+        out.append(_applied_way(choice, mode))
     return tuple(out)
+
+
+def _applied_way(choice: LoraChoice, mode: str, why: str = "") -> Variant:
+    """The variant without LoRAs (`choice.base`) with what applying them `mode`'s way adds."""
+    v, c = choice.base, choice.cost
+    if mode == "merged":
+        extra, secs = max(c.merge_transient, c.fp8_bytes), c.merge_seconds + c.fp8_seconds
+        what = f"{choice.count} LoRA(s) merged into {choice.layers} layers{why} ({c.merge_seconds:.3f} s once, " \
+               f"{c.merge_transient / 2**20:.0f} MiB while merging" + \
+               (f"; its fp8 layers on the fly: {c.fp8_seconds:.3f} s, {c.fp8_bytes / 2**20:.0f} MiB)"
+                if c.fp8_bytes else ")")
+    else:
+        extra, secs = c.adapter_bytes + c.fly_activation, c.fly_seconds
+        what = f"{choice.count} LoRA(s) on the fly ({c.adapter_bytes / 2**20:.1f} MiB of adapters, " \
+               f"{c.fly_activation / 2**20:.0f} MiB activation, {secs:.3f} s)"
+    note = f"{v.note}; {what}" if v.note else what
+    blocks = dataclasses.replace(v.blocks, activation=v.blocks.activation + extra) if v.blocks else None
+    activation = blocks.min_gpu() if blocks is not None else v.activation + extra
+    return dataclasses.replace(v, activation=activation, seconds=v.seconds + secs, note=note, blocks=blocks,
+                               lora_mode=mode, lora=choice)
+
+
+def share_merges(costs: Mapping[str, Cost]) -> dict[str, Cost]:
+    """One merge serves every node of a prompt (or a queue planned as one) that runs the same model with the same
+    LoRAs, since it stays on the resident weights: when those nodes' on-the-fly seconds add up to more than one
+    merge, their resident variants merge (each still counts the merge's bytes; the seconds of one merge each, an
+    upper bound). Streamed variants stay on the fly."""
+    groups: dict[tuple, list[str]] = {}
+    for node, cost in costs.items():
+        chains = {v.lora.chain for v in cost.variants if v.lora is not None and v.lora_mode and not _streamed(v)}
+        for chain in chains:
+            groups.setdefault(chain, []).append(node)
+    out = dict(costs)
+    for chain, nodes in groups.items():
+        mine = {n: [v.lora.cost for v in costs[n].variants
+                    if v.lora is not None and v.lora.chain == chain and not _streamed(v)] for n in nodes}
+        fly = sum(max(c.fly_seconds for c in cs) for cs in mine.values())
+        merged = mine[nodes[0]][0].merge_seconds + sum(max(c.fp8_seconds for c in cs) for cs in mine.values())
+        if len(nodes) < 2 or fly <= merged:
+            continue
+        why = f", shared by {len(nodes)} nodes"
+        for n in nodes:
+            variants = tuple(_applied_way(v.lora, "merged", why) if v.lora is not None and v.lora.chain == chain and
+                             not _streamed(v) and v.lora_mode == "onthefly" else v for v in costs[n].variants)
+            out[n] = dataclasses.replace(costs[n], variants=variants)
+    return out
+
+
+def _streamed(v: Variant) -> bool:
+    return bool(v.streams) or v.name.startswith("stream")
 
 
 # ------------------------------------------------------------------------------------------------ at run time

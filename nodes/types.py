@@ -204,6 +204,7 @@ class Variant:
     blocks: Blocks | None = None  # with `streams`: the streamed model's blocks, some of which the plan keeps on the
     #                               GPU for the node (its `activation` is then `blocks.min_gpu()`)
     lora_mode: str = ""  # how the model's LoRAs are applied in this variant: "merged", "onthefly" (nodes/lora.py)
+    lora: Any = field(default=None, compare=False, repr=False)  # nodes/lora.py LoraChoice: both ways' costs
 
 
 HOST = Variant("host")  # a node that needs no GPU at all (loaders, images, primitives)

@@ -351,6 +351,15 @@ def test_the_plan_chooses_merged_or_on_the_fly_and_counts_it():
         for v, b in zip(got, base, strict=True):
             assert v.activation > b.activation and v.seconds > b.seconds and "LoRA" in v.note
     assert with_lora_costs(plain, base, tokens, 4) == base
+    # a queue planned as one: four 4-step images share one merge, which beats four times on the fly; one does not
+    from vramgraph.nodes.lora import share_merges
+    from vramgraph.nodes.types import Cost
+
+    one_image = Cost((), with_lora_costs(model, base, tokens, 4))
+    queue = share_merges({f"q{i}:11": one_image for i in range(4)})
+    assert all([v.lora_mode for v in c.variants] == ["merged", "onthefly"] for c in queue.values())
+    assert "shared by 4 nodes" in queue["q0:11"].variants[0].note
+    assert share_merges({"11": one_image}) == {"11": one_image}
     # an fp8 checkpoint (BFL's: block linears in fp8): those layers stay on the fly, so nothing is left to merge
     spec = types.SimpleNamespace(quant_blocks=tuple(('.'.join(p.split('.')[:2]), 1, 1) for p, *_ in touched))
     fp8 = dataclasses.replace(model, spec=spec)

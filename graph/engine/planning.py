@@ -20,6 +20,7 @@ from ...nodes import ENGINE_NODES
 from ...nodes.catalog import ModelCatalog
 from ...nodes.files import MODEL_EXTENSIONS, Folders
 from ...nodes.lora import identity_of as _identity
+from ...nodes.lora import share_merges
 from ...nodes.types import is_link, is_mapping
 from ..plan import planner
 from ..workflow import estimate
@@ -115,7 +116,7 @@ def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: 
     if not check.ok:
         raise ValidationFailed(check.response())
     prompt = {n: check.prompt[n] for n in check.dag.nodes}
-    costs = estimate.propagate(prompt, check.dag, nodes, catalog, Defaults(folders))
+    costs = share_merges(estimate.propagate(prompt, check.dag, nodes, catalog, Defaults(folders)))
     signed = {n: tuple(_identity(o) for o in costs[n].outputs) for n in check.dag.nodes
               if getattr(nodes[prompt[n]["class_type"]], "VG_SIGNS_OUTPUTS", False)}
     sigs = signatures(prompt, check.dag, changes(prompt, check.dag, nodes, folders, costs), signed)

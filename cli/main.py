@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -125,9 +126,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="a plugin whose setup(app, engine) adds routes (repeatable; bench/peer_routes.py)")
     s.add_argument("--previews", action="store_true",
                    help="step previews for every prompt (default: only for prompts whose extra_data asks, as ComfyUI)")
+    s.add_argument("--front-end", default=None, metavar="comfyui|vramgraph|DIR",
+                   help="the page at /: vramgraph (ours, the default; always also at /vramgraph/), comfyui (ComfyUI's "
+                        "official front end: pip install 'vramgraph[frontend]') or a built front end's folder; "
+                        "config key front_end (docs/frontend.md)")
     s.add_argument("--user-dir", default=None, metavar="DIR",
-                   help="ComfyUI's user folder (DIR/default/comfy.settings.json, workflows): served read-only to the "
-                        "ComfyUI front end's /settings and /userdata")
+                   help="ComfyUI's user folder, where settings and saved workflows are kept (DIR/default/...); "
+                        "default with --front-end comfyui: ./user; config key user_dir")
     s.add_argument("--enable-cors-header", nargs="?", const="*", default=None, metavar="ORIGIN",
                    help="allow requests from other sites (ORIGIN, default *), as ComfyUI's flag; by default pages of "
                         "other sites, foreign Host headers and cross-site websockets are refused")
@@ -404,6 +409,8 @@ def _session(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from ..models import loading
+    from ..models.gguf import is_gguf, tokenizer_note
+    from ..models.headers import read_header
 
     spec = loading.inspect(args.models)
     out = {"variant": spec.variant, "distilled": spec.distilled, "distilled_from": spec.distilled_from,
@@ -415,6 +422,10 @@ def _inspect(args: argparse.Namespace) -> int:
             "bf16_gib": round(c.nbytes("bf16") / 2**30, 3), "blocks": len(c.block_params),
             # what loading it for bf16 compute puts on the GPU, by stored dtype (fp8 layers stay fp8)
             "bytes": c.nbytes("bf16"), "dtype_mix": dict(c.dtype_mix), "quantized_layers": c.quant_layers}
+        if c is not None and any(is_gguf(f) for f in c.files):  # GGUF: its tensors by stored type (the quant mix)
+            out[kind]["gguf_types"] = dict(Counter(i.dtype for i in c.infos.values()).most_common())
+            if kind == "text_encoder" and spec.tokenizer is None:
+                out[kind]["tokenizer"] = tokenizer_note(c.files[0], read_header(c.files[0])[1])
     print(json.dumps(out, indent=1))
     return 0
 

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dtypes import stored_name, stored_torch_dtype
+from .dtypes import GGML_BLOCKS, stored_name, stored_shape, stored_torch_dtype
+from .gguf import is_gguf
 from .headers import CheckpointError, Source, TensorInfo
 from .quant import check_weights, quant_layers, scale_sources
 
@@ -69,7 +70,12 @@ class _Files:
         with self._lock:
             h = self._handles.get(info.file)
             if h is None:
-                h = self._handles[info.file] = self._open(str(info.file), framework="pt", device="cpu")
+                h = self._handles[info.file] = "gguf" if is_gguf(info.file) else \
+                    self._open(str(info.file), framework="pt", device="cpu")
+        if h == "gguf":  # a GGUF file: its bytes through a memory map (models/gguf_layers.py)
+            from .gguf_layers import read_stored
+
+            return read_stored(info)
         return h.get_tensor(info.name)
 
     def close(self) -> None:
@@ -141,6 +147,8 @@ def _arena(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[t
 
 def _same_bytes(stored: str, dtype: torch.dtype) -> bool:
     """Whether a tensor stored as `stored` is, byte for byte, that tensor in `dtype` (fp8 may be stored as uint8)."""
+    if stored in GGML_BLOCKS:  # GGUF blocks: their bytes, as uint8
+        return dtype == torch.uint8
     have = stored_torch_dtype(stored)
     return have == dtype or (have == torch.uint8 and dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
 
@@ -161,7 +169,8 @@ def _byte_spans(source: Source, shape: tuple[int, ...], infos: Mapping[str, Tens
     parts = [infos.get(k) for k in source.keys]
     if any(i is None or i.file is None or i.offset < 0 or not _same_bytes(i.dtype, dtype) for i in parts):
         return None
-    source.make(lambda k: torch.empty(infos[k].shape, dtype=dtype, device="meta"), shape)  # checks the shape
+    source.make(lambda k: torch.empty(stored_shape(infos[k].dtype, infos[k].shape), dtype=dtype, device="meta"),
+                shape)  # checks the shape
     if source.op == "swap_halves":
         (i,) = parts
         if not i.shape or i.shape[0] % 2:

@@ -7,6 +7,7 @@ Importing this module does not import torch (the planner sizes models from it); 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # safetensors dtype name -> (bytes per element, torch attribute, our compute name if we compute in it)
@@ -19,12 +20,41 @@ STORED: dict[str, tuple[int, str, str | None]] = {
 # our compute dtype names -> their safetensors name
 COMPUTE: dict[str, str] = {name: stored for stored, (_, _, name) in STORED.items() if name is not None}
 PLAIN = ("F32", "BF16", "F16")  # stored dtypes we load by a cast; anything else is quantised
+# GGML block quantisations that GGUF files store and we run (models/gguf.py): name -> (elements per block, bytes
+# per block), as llama.cpp's ggml-common.h lays them out (the `gguf` package's GGML_QUANT_SIZES agrees)
+GGML_BLOCKS: dict[str, tuple[int, int]] = {
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
+# elements dequantized at once into a non-fp32 output (models/gguf_dequant.py): the fp32 working set of one chunk (the
+# quants, the products, the result: at most GGML_WORK_BYTES per element, counted from its ops, not measured) stays
+# near 128 MiB beside the output, where a whole klein-9B layer (36864 x 4096) in fp32 would take 0.56 GiB per copy
+GGML_CHUNK_ELEMENTS = 1 << 23
+GGML_WORK_BYTES = 16
 
 
 def stored_bytes(stored: str, default: int = 2) -> int:
     """Bytes per element of a safetensors dtype ('BF16' -> 2)."""
     entry = STORED.get(stored)
     return entry[0] if entry is not None else default
+
+
+def tensor_bytes(stored: str, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of `shape` takes stored as `stored`: elements times their size, or whole GGML blocks along
+    the last dimension (a row of 4096 Q4_K elements is 16 blocks of 144 bytes)."""
+    block = GGML_BLOCKS.get(stored)
+    if block is None:
+        return stored_bytes(stored) * math.prod(shape)
+    return math.prod(stored_shape(stored, shape))
+
+
+def stored_shape(stored: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a tensor's stored bytes as we hold them: `shape` for element types, (..., bytes per row) of
+    uint8 for GGML block types (each row is a whole number of blocks; `gguf.check_rows` refuses any other)."""
+    block = GGML_BLOCKS.get(stored)
+    if block is None or not shape:
+        return tuple(shape)
+    return (*shape[:-1], shape[-1] // block[0] * block[1])
 
 
 def itemsize(dtype: Any) -> int:

@@ -129,6 +129,12 @@ def swap_in(module: nn.Module, quantized: Mapping[str, QuantLayer], compute_dtyp
         parent_name, _, attr = path.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         old = getattr(parent, attr)
+        if q.marking == "gguf":  # GGML blocks kept as bytes, dequantized just in time (models/gguf_layers.py)
+            from .gguf_layers import gguf_twin
+
+            setattr(parent, attr, gguf_twin(old, q, compute_dtype))
+            keep[name] = torch.uint8
+            continue
         storage = stored_torch_dtype(q.storage or "")
         if storage is None:
             raise CheckpointError(f"{q.file}: layer {q.layer}: this torch has no {q.storage}")

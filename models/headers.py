@@ -9,14 +9,13 @@ never pay for it; `Source.make`, which builds tensors, imports torch when called
 from __future__ import annotations
 
 import json
-import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .dtypes import STORED, stored_bytes
+from .dtypes import STORED, tensor_bytes
 
 
 class CheckpointError(ValueError):
@@ -36,11 +35,11 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return stored_bytes(self.dtype) * math.prod(self.shape)
+        return tensor_bytes(self.dtype, self.shape)
 
 
 def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Tensor table and `__metadata__` of one safetensors file, reading only its header."""
+    """Tensor table and `__metadata__` of one safetensors file, reading only its header (GGUF: models/gguf.py)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -49,6 +48,10 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
             raw = f.read(n) if 2 <= n <= 100 * 2**20 else b""
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from e
+    if head[:4] == b"GGUF":  # a GGUF file (ComfyUI-GGUF's, llama.cpp's), whatever its name
+        from .gguf import read_gguf
+
+        return read_gguf(path)
     if len(head) != 8:
         raise CheckpointError(f"{path}: not a safetensors file (too short to be one)")
     if not raw:

@@ -4,6 +4,7 @@
   index), tokenizer/.
 - BFL single files: the transformer (keys with or without `model.diffusion_model.`) and the VAE.
 - ComfyUI split files: models/diffusion_models/, models/text_encoders/, models/vae/.
+- GGUF files (ComfyUI-GGUF's transformers, llama.cpp's Qwen3 text encoders) among them: models/gguf.py.
 
 Every file is recognised from its safetensors header (which tensors it holds), never from its name.
 `inspect()` reads headers only and returns a `ModelSpec`: per component its files, dtype,
@@ -14,6 +15,7 @@ component from its spec.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,11 +25,14 @@ from typing import Any
 
 from . import flux2_config, qwen3_config, vae_config
 from .dtypes import compute_name, itemsize, torch_dtype
+from .gguf import tokenizer_note
 from .headers import CheckpointError, TensorInfo, read_header, read_headers, strip_prefix
 from .paths import walk_files
 from .quant import check_weights, quant_layers, scale_sources, stored_nbytes
 
+log = logging.getLogger(__name__)
 COMPONENTS = ("transformer", "text_encoder", "vae")
+CHECKPOINT_EXTENSIONS = (".safetensors", ".gguf")  # files looked at in a folder (recognised by their headers)
 _PREFIXES = {
     "transformer": flux2_config.BFL_PREFIXES,
     "text_encoder": (),
@@ -93,7 +98,7 @@ class ComponentSpec:
     quant_blocks: tuple[tuple[str, int, int], ...] = ()
     dtype_mix: tuple[tuple[str, int], ...] = ()  # (stored dtype, bytes) of the tensors that get loaded
     quant_layers: int = 0  # how many layers are quantised (fp8)
-    quant_largest: int = 0  # elements of the largest quantised layer (dequantized just in time: a transient)
+    quant_largest: int = 0  # elements of the largest quantised linear (dequantized just in time: a transient)
 
     @property
     def params(self) -> int:
@@ -161,7 +166,8 @@ def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
     else:
         cfg = vae_config.config_from_checkpoint(infos)
         src = vae_config.sources(cfg, infos.keys())
-    quantized = check_weights(src, infos, quant_layers(infos), _quantizable(kind, cfg))
+    how = _quantizable(kind, cfg)
+    quantized = check_weights(src, infos, quant_layers(infos), how)
     blocks: dict[str, int] = {}
     quant: dict[str, tuple[int, int]] = {}
     for name, s in src.items():
@@ -187,7 +193,9 @@ def _component(kind: str, layout: str, files: Sequence[Path]) -> ComponentSpec:
                          tuple(blocks.items()), sum(by_dtype.values()), infos,
                          tuple((b, n, nb) for b, (n, nb) in quant.items()),
                          tuple(sorted(mix.items(), key=lambda kv: -kv[1])), len(quantized),
-                         max((math.prod(infos[q.weight].shape) for q in quantized.values()), default=0))
+                         # an embedding table dequantizes only the rows it looks up: the linears' largest counts
+                         max((math.prod(infos[q.weight].shape) for n, q in quantized.items() if how[n] == "linear"),
+                             default=0))
 
 
 def _candidates(files: Iterable[Path]) -> list[tuple[str, list[Path]]]:
@@ -272,8 +280,8 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
         else:
             subdirs = [p / s for s in ("diffusion_models", "unet", "text_encoders", "clip", "vae") if (p / s).is_dir()]
             # ComfyUI lets users sort models into subfolders of its model folders
-            cands = _candidates(d / f for d in subdirs for f in walk_files(d, (".safetensors",))) if subdirs else \
-                _candidates(p.glob("*.safetensors"))
+            cands = _candidates(d / f for d in subdirs for f in walk_files(d, CHECKPOINT_EXTENSIONS)) if subdirs \
+                else _candidates(f for e in CHECKPOINT_EXTENSIONS for f in p.glob("*" + e))
             layout, folders = ("comfyui" if subdirs else "files"), [p, *subdirs]
             if not cands:
                 raise CheckpointError(f"{p}: no FLUX.2 [klein] checkpoint in this folder")
@@ -298,6 +306,11 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
     metas = [read_header(f)[1] for f in (tr.files if tr is not None else ())]
     distilled, source = _distilled(index, metas, [f.name for f in (tr.files if tr is not None else ())])
     te = specs["text_encoder"]
+    for f in te.files if te is not None else ():
+        meta = read_header(f)[1]
+        if "gguf.tokenizer" in meta:  # a GGUF text encoder: say which tokenizer it gets
+            log.info("%s", tokenizer_note(f, meta) if tokenizer is None else f"{f.name}: the tokenizer {tokenizer} "
+                     "is used")
     if tr is not None and te is not None:
         want = tr.config.context_dim
         have = te.config.out_dim

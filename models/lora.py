@@ -183,7 +183,8 @@ def _linear_of(module: nn.Module, param: str) -> nn.Module:
     return module.get_submodule(param.removesuffix(".weight"))
 
 
-def _is_fp8(layer: nn.Module) -> bool:
+def _is_quantized(layer: nn.Module) -> bool:
+    """An fp8 or GGUF layer (models/fp8.py, models/gguf_layers.py): its weight is not a plain float tensor."""
     return hasattr(layer, "dequantized")
 
 
@@ -234,7 +235,7 @@ def merge(module: nn.Module, uses: Sequence[Use], host: Mapping[str, torch.Tenso
         return 0
     by_param: dict[str, list[tuple[Adapter, float]]] = {}
     for a, s in _adapters(module, uses):
-        if not _is_fp8(_linear_of(module, a.target.param)):
+        if not _is_quantized(_linear_of(module, a.target.param)):
             by_param.setdefault(a.target.param, []).append((a, s))
     st = _Merged(signature, {}, {})
     written = 0
@@ -288,7 +289,7 @@ class _Hook:
         x = args[0]
         items = self._on(x.device, x.dtype)
         if self.dora:
-            w = (layer.dequantized(torch.float32) if _is_fp8(layer) else layer.weight.float()).clone()
+            w = (layer.dequantized(torch.float32) if _is_quantized(layer) else layer.weight.float()).clone()
             for a, s in items:
                 rows = _rows(w, a.target)
                 rows.copy_(a.merge(rows.clone(), s))
@@ -319,7 +320,7 @@ def applied(module: nn.Module, uses: Sequence[Use], mode: str = "merged",
         by_layer: dict[str, list[tuple[Adapter, float]]] = {}
         for a, s in _adapters(module, live):
             layer = _linear_of(module, a.target.param)
-            if mode == "onthefly" or _is_fp8(layer):
+            if mode == "onthefly" or _is_quantized(layer):
                 by_layer.setdefault(a.target.param, []).append((a, s))
         for name, items in by_layer.items():
             layer = _linear_of(module, name)

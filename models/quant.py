@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .dtypes import PLAIN, stored_bytes
+from .dtypes import GGML_BLOCKS, PLAIN, stored_bytes
 from .headers import CheckpointError, Source, TensorInfo, read_header
 
 FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}  # formats we run -> their storage dtype
@@ -46,9 +46,9 @@ class QuantLayer:
 
     layer: str  # "double_blocks.0.img_attn.qkv"; its weight is `layer + ".weight"`
     format: str  # the per-layer format string ("float8_e4m3fn", "nvfp4", ...)
-    marking: str  # "metadata", "comfy_quant", "scaled_fp8" or "unmarked"
+    marking: str  # "metadata", "comfy_quant", "scaled_fp8", "unmarked" or "gguf" (a GGML block type, stored as is)
     file: str  # the file's name, for messages
-    storage: str | None = None  # safetensors dtype the weight's bytes are read as ("F8_E4M3"); None if unusable
+    storage: str | None = None  # dtype the weight's bytes are read as ("F8_E4M3", GGUF's "Q4_K"); None if unusable
     weight_scale: str | None = None  # key of the per-tensor weight scale; None: 1.0 (unmarked fp8 weights)
     input_scale: str | None = None  # key of the static activation scale; None: 1.0
     full_precision: bool = False  # always dequantize (full_precision_matrix_mult, or an unmarked weight)
@@ -149,6 +149,9 @@ def quant_layers(infos: Mapping[str, TensorInfo], metas: Mapping[Path, Mapping[s
                 inp = f"{layer}.scale_input"
                 out[layer + ".weight"] = _layer(infos, layer, "float8_e4m3fn", "scaled_fp8", _file_name(info), key,
                                                 inp if inp in infos else None, full)
+    for key, info in infos.items():  # GGUF block quantisations (models/gguf.py): the stored type says it all
+        if key not in out and info.dtype in GGML_BLOCKS:
+            out[key] = QuantLayer(key.removesuffix(".weight"), info.dtype, "gguf", _file_name(info), info.dtype)
     for key, info in infos.items():
         if key not in out and key.endswith(".weight") and info.dtype in FP8_STORED:
             out[key] = QuantLayer(key.removesuffix(".weight"), next(f for f, s in FORMATS.items() if s == info.dtype),
@@ -221,7 +224,10 @@ def scale_sources(quantized: Mapping[str, QuantLayer]) -> dict[str, Source]:
 
 
 def stored_nbytes(q: QuantLayer, infos: Mapping[str, TensorInfo]) -> int:
-    """Bytes a quantised layer takes once loaded: 1 per weight element plus its fp32 scales."""
+    """Bytes a quantised layer takes once loaded: 1 per weight element plus its fp32 scales (fp8); its stored
+    blocks (GGUF)."""
     w = infos[q.weight]
+    if q.marking == "gguf":
+        return w.nbytes
     return stored_bytes(q.storage or "U8") * math.prod(w.shape) + 4 * ((q.weight_scale is not None) +
                                                                         (q.input_scale is not None))

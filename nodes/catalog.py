@@ -17,6 +17,7 @@ from typing import Any
 
 from ..models import flux2_config, loading, qwen3_config, vae_config
 from ..models.dtypes import itemsize
+from ..models.gguf import GGUFError, builtin_bytes, type_from_name
 from ..models.headers import CheckpointError
 from ..models.quant import QuantError
 from .files import Folders, identity
@@ -44,6 +45,15 @@ def builtin_params(kind: str, config: Any) -> int:
     return sum(math.prod(s) for s in family.parameter_shapes(config).values())
 
 
+def builtin_nbytes(kind: str, config: Any, name: str, dtype: str) -> int:
+    """What a built-in spec puts on the GPU in `dtype`; a GGUF name's quantization counted (models/gguf.py)."""
+    stored = type_from_name(name) if kind != "vae" else None
+    if stored is None:
+        return builtin_params(kind, config) * itemsize(dtype)
+    family = flux2_config if kind == "transformer" else qwen3_config
+    return builtin_bytes(family.parameter_shapes(config), stored, itemsize(dtype))
+
+
 _REFUSALS: dict[tuple[str, str], str | None] = {}  # (path, identity) -> header_refusal's answer
 _REFUSALS_KEPT = 64
 _refusals_lock = threading.Lock()
@@ -51,7 +61,8 @@ _refusals_lock = threading.Lock()
 
 def header_refusal(folders: Any, folder: str, name: str) -> str | None:
     """Why the model file (or checkpoint folder) `name` in `folder` cannot be loaded, from its header alone: a
-    quantisation vramgraph does not run (`QuantError`: the file, the layer and the format), else None. The loader
+    quantisation vramgraph does not run (`QuantError`: the file, the layer and the format) or a GGUF file that is
+    damaged or not ours (`GGUFError`: the file and what is wrong), else None. The loader
     nodes' VALIDATE_INPUTS ask this, so such a file is refused at validation, not when the prompt runs. A file that
     is absent (planning from the built-in specs) or unreadable is left to the loader (None). `folders` None: inside
     ComfyUI (its folder_paths). Answers are kept per file identity, so a validation reads each header once."""
@@ -70,7 +81,7 @@ def header_refusal(folders: Any, folder: str, name: str) -> str | None:
     try:
         loading.inspect([path])
         found = None
-    except QuantError as e:
+    except (QuantError, GGUFError) as e:  # GGUF: a damaged or foreign file is refused here too
         found = str(e)
     except Exception:  # not a quantisation problem (damaged, not ours, ...): the loader reports it when it runs
         found = None
@@ -131,7 +142,7 @@ class ModelCatalog:
             key = ("builtin", kind, name)
             with self._lock:
                 if key not in self._cache:
-                    self._cache[key] = builtin_params(kind, config) * itemsize(self.dtype)
+                    self._cache[key] = builtin_nbytes(kind, config, name, self.dtype)
                 # one info per name, as a file's (info_at): the estimates are worked out once per info
                 # (nodes/estimates.py `_per_model`), not again for every prompt planned
                 info = ("builtin info", kind, name, self.dtype)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..models import flux2_config, qwen3_config
-from ..models.dtypes import COMPUTE, itemsize
+from ..models.dtypes import COMPUTE, GGML_BLOCKS, GGML_CHUNK_ELEMENTS, GGML_WORK_BYTES, itemsize
 from .types import Blocks, CondInfo, LatentInfo, ModelInfo, Variant
 
 GiB = 2**30
@@ -131,9 +131,13 @@ def tile_pixels(batch: int, height: int, width: int) -> int:
 def fp8_transient(model: ModelInfo, item: int) -> int:
     """What an fp8 model allocates above its calibrated bf16 activations: its largest fp8 layer dequantized to the
     compute dtype (models/fp8.py dequantizes one layer at a time; the scaled-matmul path's fp8 copy of the
-    activations is smaller). 0 for a model without fp8 layers."""
+    activations is smaller); a GGUF model's also the fp32 working set of one chunk of its blocks
+    (models/gguf_dequant.py). 0 for a model without quantised layers."""
     spec = model.spec
-    return getattr(spec, "quant_largest", 0) * item if spec is not None else 0
+    largest = getattr(spec, "quant_largest", 0) if spec is not None else 0
+    if any(stored in GGML_BLOCKS for stored, _ in getattr(spec, "dtype_mix", ())):  # GGUF: plus one fp32 chunk
+        return largest * item + min(largest, GGML_CHUNK_ELEMENTS) * GGML_WORK_BYTES
+    return largest * item
 
 
 def _per_model(fn: Callable[..., T]) -> Callable[..., T]:

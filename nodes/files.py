@@ -23,7 +23,7 @@ MODEL_FOLDERS = {  # ComfyUI's folder name -> the names it also answers to
     "text_encoders": ("text_encoders", "clip"),
     "vae": ("vae",),
 }
-MODEL_EXTENSIONS = (".safetensors", ".sft")
+MODEL_EXTENSIONS = (".safetensors", ".sft", ".gguf")  # GGUF: ComfyUI-GGUF's and llama.cpp's files (models/gguf.py)
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CHECKPOINT_FOLDERS = ("checkpoints", "diffusers")  # under a models folder, where whole checkpoints are looked for
 HASH_BELOW = 64 << 20  # files smaller than this are known by their content (a hash), larger ones by identity
@@ -159,7 +159,12 @@ def comfy_list(folder: str) -> list[str]:
         return sorted(p.name for p in Path(d).iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
     if folder == "checkpoints":
         return checkpoint_names(comfy_checkpoint_roots())
-    return list(folder_paths.get_filename_list(folder))
+    names = set(folder_paths.get_filename_list(folder))
+    if folder in MODEL_FOLDERS and folder != "vae":  # GGUF files, which ComfyUI itself lists nowhere here
+        for d in folder_paths.get_folder_paths(folder):
+            if Path(d).is_dir():
+                names.update(walk_files(Path(d), (".gguf",)))
+    return sorted(names)
 
 
 def comfy_checkpoint_roots() -> list[Path]:

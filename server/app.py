@@ -1,4 +1,5 @@
-"""The local server: ComfyUI's HTTP and websocket API over our engine, and the page in web/ at `/`.
+"""The local server: ComfyUI's HTTP and websocket API over our engine, and the page in web/ at `/` (or ComfyUI's
+official front end there with `--front-end comfyui`, ours then at /vramgraph/: frontend.py, docs/frontend.md).
 
     vramgraph serve [--host 127.0.0.1] [--port 8188] [--models DIR] [--vram 12GiB]
 
@@ -7,13 +8,15 @@ answers them), /queue, /history, /view, /object_info, /upload/image, /interrupt,
 /system_stats, and /ws with ComfyUI's events (status, execution_start, execution_cached, executing,
 progress, executed, execution_success, execution_error, execution_interrupted, binary preview frames).
 More of ComfyUI's routes, which its front end and newer clients call, are in compat.py: /features (and
-the answer to the websocket's `feature_flags`), /models, /api/jobs, /upload/mask, /view_metadata and the
-read-only /settings, /userdata and /users; the events include `progress_state`, and `execution_cached`
+the answer to the websocket's `feature_flags`), /models, /api/jobs (and their cancel), /upload/mask,
+/view_metadata; settings and user files kept under --user-dir are in userdata.py, the template browser's files in
+templates.py, the Model Library in modellib.py; the events include `progress_state`, and `execution_cached`
 even when it lists no node. POST /prompt honours `partial_execution_targets`; /interrupt with a prompt id
 stops that prompt alone (see queue.py). Every route also answers under /api, as ComfyUI's does.
 
 Our additions: the `vramgraph.plan` event (the running prompt's plan and its timeline) and
-`vramgraph.step` (each load and unload as it happens), and POST /vramgraph/plan, /vramgraph/convert,
+`vramgraph.step` (each load and unload as it happens; to ComfyUI's front end only once our panel subscribes with
+POST /vramgraph/events, and never with the server's paths: hub.py), and POST /vramgraph/plan, /vramgraph/convert,
 /vramgraph/ui for the page.
 
 One queue, one worker thread: the worker alone calls the engine, whose runs are blocking; its events
@@ -46,10 +49,14 @@ from aiohttp import web
 from .bodies import refusals
 from .compat import Compat
 from .formats import MAX_UPLOAD_SIZE
+from .frontend import FrontEnd, front_end_root
 from .hub import Hub
+from .modellib import ModelLibrary
 from .queue import PromptQueue, Worker
 from .routes import Routes, plan_response
 from .security import middlewares
+from .templates import Templates
+from .userdata import UserData
 
 log = logging.getLogger("vramgraph.server")
 ROOT = Path(__file__).parent.parent
@@ -95,13 +102,10 @@ def _comfy_device() -> Any:
 ROUTES = web.AppKey("vramgraph", Routes)  # app[ROUTES]: the queue, worker and hub behind an app
 
 
-async def _index(request: web.Request) -> web.StreamResponse:
-    return web.FileResponse(WEB / "index.html", headers={"Cache-Control": "no-cache"})
-
-
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
              batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None,
-             cors: str | None = None, broker: str | None = None, frontend_id: str | None = None) -> web.Application:
+             cors: str | None = None, broker: str | None = None, frontend_id: str | None = None,
+             front_end: Path | None = None) -> web.Application:
     """The aiohttp application over `engine` (a graph.engine.executor.Engine).
 
     `planner` is the engine that answers /vramgraph/plan without touching the running one (by default a
@@ -110,10 +114,11 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     `preview_method` other than "none", or for every prompt with `previews` (ComfyUI sends none by default,
     and some clients take any binary frame for a result). The worker thread starts and stops with the app.
     `plugins` are Python files or module names whose `setup(app, engine)` adds routes (bench/ has one).
-    `user_dir` is where ComfyUI's front end finds settings and user files, read-only (see server/compat.py).
+    `user_dir` is where ComfyUI's front end keeps settings and user files (userdata.py; None: read-only, none).
     `cors` is ComfyUI's --enable-cors-header: an origin (or "*") every answer allows, in place of the default
     origin checks (security.py). `broker` (an AMQP URL) makes the app a frontend (broker.py): prompts are planned
-    here for the engine's budget (the reference card) and published; workers run them.
+    here for the engine's budget (the reference card) and published; workers run them. `front_end` is the folder of
+    the front end served at `/` (frontend.front_end_root; None: our page, which is at /vramgraph/ either way).
     """
     from ..graph.engine.executor import Engine
 
@@ -131,13 +136,16 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
         routes = Routes(engine, queue, hub, worker, planner)
     app = web.Application(client_max_size=MAX_UPLOAD_SIZE, middlewares=[*middlewares(cors), refusals])
     app[ROUTES] = routes
-    for method, path, handler in [*routes.table(), *Compat(routes, user_dir).table()]:
+    front, user, templates = FrontEnd(front_end, hub, engine.folders), UserData(user_dir), Templates(engine.nodes)
+    user.prepare()
+    for method, path, handler in [*routes.table(), *Compat(routes).table(), *user.table(), *front.table(),
+                                  *templates.table(), *ModelLibrary(engine.folders).table()]:
         app.router.add_route(method, path, handler)
         app.router.add_route(method, "/api" + path, handler)
-    app.router.add_get("/", _index)
-    app.router.add_static("/web/", WEB, show_index=False, follow_symlinks=False)
     for plugin in plugins:
         load_plugin(plugin)(app, engine)
+    templates.add_to(app)
+    front.add_to(app)  # last: the front end's static folder is served at `/`
 
     async def started(app: web.Application) -> None:
         hub.start()
@@ -219,6 +227,20 @@ class ServerThread:
         self.stop()
 
 
+def _front_end_and_user_dir(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """The front end's folder (frontend.front_end_root) and the user folder, from the options or the config's keys
+    front_end and user_dir; with ComfyUI's front end and no user folder given, ./user (ComfyUI's layout)."""
+    from ..graph.engine.runtime import read_config, settings_of
+
+    config = read_config(settings_of(args))
+    name = getattr(args, "front_end", None) or config.get("front_end")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"config front_end: give comfyui, vramgraph or a folder, not {name!r}")
+    root = front_end_root(name)
+    user = getattr(args, "user_dir", None) or config.get("user_dir") or ("user" if root is not None else None)
+    return root, Path(user).expanduser() if user else None
+
+
 def serve(args: argparse.Namespace) -> int:
     """`vramgraph serve`: the engine from the command line's options (--demo already applied to them), served
     until Ctrl-C. It says where it listens only once the socket is bound; a busy port is a ValueError."""
@@ -232,13 +254,13 @@ def serve(args: argparse.Namespace) -> int:
         check_url(url)
     elif getattr(args, "work", False):
         raise ValueError("--work runs a fleet worker beside the frontend: give --broker amqp://... too")
+    front_end, user_dir = _front_end_and_user_dir(args)  # a missing front end is refused before models load
     engine = engine_from(args)
     for folder in (engine.folders.input, engine.folders.output, engine.folders.temp):
         folder.mkdir(parents=True, exist_ok=True)
     engine.warm_up()  # before listening: the first prompt then finds the kernels and the tokenizer ready
     app = make_app(engine, previews=getattr(args, "previews", False), plugins=tuple(getattr(args, "plugin", ()) or ()),
-                   cors=getattr(args, "enable_cors_header", None),
-                   user_dir=Path(args.user_dir).expanduser() if getattr(args, "user_dir", None) else None,
+                   cors=getattr(args, "enable_cors_header", None), user_dir=user_dir, front_end=front_end,
                    broker=url,
                    frontend_id=(getattr(args, "frontend_id", None) or frontend_id(args.port)) if url else None)
     if url and getattr(args, "work", False):  # one process, both: a fleet worker on the same engine
@@ -260,6 +282,8 @@ def serve(args: argparse.Namespace) -> int:
         port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else args.port
         log.info("vramgraph serve on http://%s:%d (device %s, budget %.2f GiB; Python %s, %s)", args.host, port,
                  engine.device, engine.budget.gpu / 2**30, platform.python_version(), sys.platform)
+        if front_end is not None:
+            log.info("front end: %s (our page: /vramgraph/; user folder %s)", front_end, user_dir)
         try:
             await asyncio.Event().wait()
         finally:

@@ -3,15 +3,12 @@
     GET /features                 our feature flags (also the websocket's answer to the client's `feature_flags`)
     GET /models, /models/{folder} the model folders we read, and the files in one
     GET /jobs, /jobs/{job_id}     ComfyUI's unified job list (queue and history), under /api/jobs too
+    POST /jobs/{job_id}/cancel, /jobs/cancel   cancel a pending job (it leaves the queue) or a running one
     POST /upload/mask             a mask's alpha applied to an image already in input/output/temp
     GET /view_metadata/{folder}   a model file's safetensors `__metadata__`
-    GET /settings, /settings/{id}, /userdata, /userdata/{file}, /users   read-only, see below
 
-User data is read-only: with `user_dir` (make_app's argument) the settings and files come from ComfyUI's layout
-under it (`<user_dir>/default/comfy.settings.json`, `<user_dir>/default/workflows/...`); without one there are
-no settings (`{}`) and no files (404). Every write (POST /settings, POST/DELETE /userdata/..., POST /users) is
-refused with 405 and ComfyUI's error shape, naming what to do instead. Nothing here writes outside the
-input, output and temp folders.
+Settings and user files are in userdata.py, the front end's other routes in frontend.py and templates.py.
+Nothing here writes outside the input, output and temp folders.
 """
 
 from __future__ import annotations
@@ -29,33 +26,24 @@ from typing import Any
 from aiohttp import web
 
 from . import formats
+from .bodies import id_list, read_object, sane_id
 from .routes import Routes, _inside, _json_error
 
 log = logging.getLogger("vramgraph.server")
-USER = "default"  # ComfyUI's single user when it runs without --multi-user
-SETTINGS_FILE = "comfy.settings.json"
-READ_ONLY = ("this server keeps no user data: settings and user files are read-only here; keep them in the "
-             "browser, or run ComfyUI itself to store them")
 
 
 class Compat:
     """ComfyUI's further routes (see the module doc) over the same engine, queue and worker as `routes`."""
 
-    def __init__(self, routes: Routes, user_dir: Path | None = None) -> None:
+    def __init__(self, routes: Routes) -> None:
         self.routes, self.engine, self.queue = routes, routes.engine, routes.queue
-        self.user = None if user_dir is None else Path(user_dir) / USER
 
     def table(self) -> list[tuple[str, str, Callable]]:
         return [("GET", "/features", self.features), ("GET", "/models", self.models),
                 ("GET", "/models/{folder}", self.models_in), ("GET", "/jobs", self.jobs),
-                ("GET", "/jobs/{job_id}", self.job), ("POST", "/upload/mask", self.upload_mask),
-                ("GET", "/view_metadata/{folder}", self.view_metadata),
-                ("GET", "/settings", self.settings), ("GET", "/settings/{id}", self.setting),
-                ("POST", "/settings", self.read_only), ("POST", "/settings/{id}", self.read_only),
-                ("GET", "/userdata", self.userdata), ("GET", "/userdata/{file}", self.userdata_file),
-                ("POST", "/userdata/{file}", self.read_only), ("DELETE", "/userdata/{file}", self.read_only),
-                ("POST", "/userdata/{file}/move/{dest}", self.read_only),
-                ("GET", "/users", self.users), ("POST", "/users", self.read_only)]
+                ("GET", "/jobs/{job_id}", self.job), ("POST", "/jobs/{job_id}/cancel", self.cancel_job),
+                ("POST", "/jobs/cancel", self.cancel_jobs), ("POST", "/upload/mask", self.upload_mask),
+                ("GET", "/view_metadata/{folder}", self.view_metadata)]
 
     # -- /features, /models, /view_metadata
     async def features(self, request: web.Request) -> web.Response:
@@ -76,7 +64,9 @@ class Compat:
         return web.json_response(files)
 
     async def view_metadata(self, request: web.Request) -> web.Response:
-        """A model file's safetensors `__metadata__` (404 when the file, or its metadata, is not there)."""
+        """A model file's safetensors `__metadata__`: `{}` for a file without one (ComfyUI answers 404 there, which
+        the Model Library of its front end asks for every model and shows as a failed request), 404 when the file is
+        not there or not a safetensors file."""
         from ..models.headers import CheckpointError, read_header
 
         folder = self._model_folders().get(request.match_info["folder"])
@@ -91,7 +81,7 @@ class Compat:
                 return None
 
         meta = await asyncio.get_running_loop().run_in_executor(None, metadata)
-        return web.json_response(meta) if meta else web.Response(status=404)
+        return web.json_response(meta) if meta is not None else web.Response(status=404)
 
     # -- /jobs
     async def jobs(self, request: web.Request) -> web.Response:
@@ -145,6 +135,37 @@ class Compat:
                     job = {**formats.queued_job(item, status), "workflow": {"prompt": item[2], "extra_data": item[3]}}
                     return web.json_response(job, dumps=_dumps)
         return web.json_response({"error": "Job not found"}, status=404)
+
+    def _cancel(self, pid: str) -> str:
+        """Cancel job `pid`: a pending one leaves the queue, a running one is interrupted (that prompt alone).
+        "cancelled", "finished" (too late) or "not_found"."""
+        if self.queue.delete(pid):
+            self.routes.hub.send("status", {"status": self.routes.worker.status()})
+            return "cancelled"
+        if self.routes.worker.interrupt(pid):
+            return "cancelled"
+        return "finished" if pid in self.queue.get_history(pid) else "not_found"
+
+    async def cancel_job(self, request: web.Request) -> web.Response:
+        """The front end's POST /api/jobs/{id}/cancel (its queue panel's cancel)."""
+        pid = sane_id(request.match_info["job_id"], "job_id")
+        outcome = self._cancel(pid)
+        if outcome == "not_found":
+            return _json_error(404, "no such job", "not_found", details=f"{pid[:80]!r} is not queued, running or in "
+                               "the history; GET /api/jobs lists them")
+        if outcome == "finished":
+            return _json_error(409, "the job has finished", "job_finished", details=f"{pid[:80]!r} ran to its end "
+                               "before it could be cancelled")
+        return web.json_response({"id": pid, "status": "cancelled"})
+
+    async def cancel_jobs(self, request: web.Request) -> web.Response:
+        """POST /api/jobs/cancel {"job_ids": [...]}: each cancelled as above; the answer says what became of each."""
+        body = await read_object(request)
+        ids = id_list(body.get("job_ids"), "job_ids")
+        outcomes = {pid: self._cancel(pid) for pid in ids}
+        return web.json_response({"cancelled": [p for p, o in outcomes.items() if o == "cancelled"],
+                                  "finished": [p for p, o in outcomes.items() if o == "finished"],
+                                  "not_found": [p for p, o in outcomes.items() if o == "not_found"]})
 
     # -- /upload/mask
     async def upload_mask(self, request: web.Request) -> web.Response:
@@ -200,68 +221,6 @@ class Compat:
         except (OSError, ValueError, SyntaxError) as e:  # not an image (PIL's UnidentifiedImageError is an OSError)
             return _json_error(400, f"cannot apply the mask: {e}")
         return web.json_response({"name": path.name, "subfolder": subfolder, "type": kind})
-
-    # -- settings, user data (read-only)
-    def _settings(self) -> dict:
-        path = None if self.user is None else self.user / SETTINGS_FILE
-        if path is None or not path.is_file():
-            return {}
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            log.warning("the user settings file %s is not JSON; answering none", path)
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    async def settings(self, request: web.Request) -> web.Response:
-        return web.json_response(self._settings())
-
-    async def setting(self, request: web.Request) -> web.Response:
-        return web.json_response(self._settings().get(request.match_info["id"]))
-
-    async def read_only(self, request: web.Request) -> web.Response:
-        response = _json_error(405, READ_ONLY, "read_only", route=request.path)
-        response.headers["Allow"] = "GET"
-        return response
-
-    async def users(self, request: web.Request) -> web.Response:
-        return web.json_response({"storage": "server", "migrated": True})
-
-    async def userdata(self, request: web.Request) -> web.Response:
-        """ComfyUI's GET /userdata?dir=...&recurse=&full_info=&split=: the files of a user folder."""
-        q = request.rel_url.query
-        directory = q.get("dir", "")
-        if not directory:
-            return web.Response(status=400, text="Directory not provided")
-        path = None if self.user is None else _inside(self.user, directory)
-        if self.user is not None and path is None:
-            return web.Response(status=403, text="Invalid directory")
-        if path is None or not path.is_dir():
-            return web.Response(status=404, text="Directory not found")
-        recurse, full, split = (q.get(k, "").lower() == "true" for k in ("recurse", "full_info", "split"))
-        base = self.user.resolve()
-        out: list[Any] = []
-        for f in sorted(path.rglob("*") if recurse else path.glob("*")):
-            real = f.resolve()
-            if not f.is_file() or not real.is_relative_to(base):  # links leading out are not listed
-                continue
-            rel = f.relative_to(path).as_posix()
-            if full:
-                st = f.stat()
-                out.append({"path": rel, "size": st.st_size, "modified": st.st_mtime, "created": st.st_ctime})
-            else:
-                out.append([rel, *rel.split("/")] if split else rel)
-        return web.json_response(out)
-
-    async def userdata_file(self, request: web.Request) -> web.StreamResponse:
-        name = request.match_info["file"]
-        path = None if self.user is None or "\0" in name else _inside(self.user, name)
-        if self.user is not None and path is None:
-            return web.Response(status=403)
-        if path is None or not path.is_file():
-            return web.Response(status=404)
-        return web.FileResponse(path, headers={"X-Content-Type-Options": "nosniff",
-                                               "Content-Disposition": f'attachment; filename="{path.name}"'})
 
 
 def _original(routes: Routes, raw: Any) -> Path | None:

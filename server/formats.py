@@ -74,8 +74,15 @@ def system_stats(engine: Any) -> dict:
     else:
         device = {"name": str(dev), "type": dev.type, "index": dev.index, "vram_total": ram_total,
                   "vram_free": ram_free, "torch_vram_total": ram_total, "torch_vram_free": ram_free}
+    from .frontend import TESTED_FRONTEND
+    from .templates import templates_version
+
+    templates = templates_version()
     return {"system": {"os": os.name, "ram_total": ram_total, "ram_free": ram_free,
-                       "comfyui_version": f"vramgraph {__version__}", "python_version": sys.version,
+                       "comfyui_version": f"vramgraph {__version__}", "required_frontend_version": TESTED_FRONTEND,
+                       # whatever templates are installed are the ones we serve: nothing newer is required
+                       "installed_templates_version": templates, "required_templates_version": templates,
+                       "python_version": sys.version,
                        "pytorch_version": torch.__version__, "embedded_python": False, "argv": sys.argv,
                        "platform": platform.platform()},
             "devices": [device],

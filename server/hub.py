@@ -13,8 +13,10 @@ import asyncio
 import io
 import json
 import logging
+import re
 import struct
 from dataclasses import dataclass, field
+from pathlib import PureWindowsPath
 from typing import Any
 
 from aiohttp import web
@@ -26,6 +28,24 @@ SEND_QUEUE = 4096  # messages waiting for one client at most
 SEND_QUEUE_BYTES = 64 * 2**20  # and their bytes
 SEND_TIMEOUT = 10.0  # seconds one message may take to leave; a client that stops reading is then dropped
 MAX_INCOMING = 4 * 2**20  # bytes of one incoming websocket message (aiohttp's default)
+OURS = "vramgraph."  # the prefix of our own events, ComfyUI's custom-node convention ("<pack>.<event>")
+MAX_SUBSCRIBERS = 10000  # client ids remembered as subscribed to our events (the oldest are forgotten)
+SVG_MODEL = re.compile(r'data-model="([^"]*)"')
+MODEL_KEY = re.compile(r"^([a-z_]+):(.*[/\\].*):([a-z0-9_]+)$")  # nodes/catalog.py: "<kind>:<file path>:<dtype>"
+
+
+def without_paths(data: Any) -> Any:
+    """`data` with every model key ("<kind>:<path of its file>:<dtype>", as dict key or string) written with the
+    file's name alone: the server's folders are not the business of its clients."""
+    if isinstance(data, dict):
+        return {without_paths(k): without_paths(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [without_paths(v) for v in data]
+    if isinstance(data, str) and (m := MODEL_KEY.match(data)):
+        return f"{m[1]}:{PureWindowsPath(m[2]).name}:{m[3]}"  # either separator, as Windows reads paths
+    if isinstance(data, str) and 'data-model="' in data:  # the plan's SVG names each band's model
+        return SVG_MODEL.sub(lambda m: f'data-model="{without_paths(m[1])}"', data)
+    return data
 
 
 def encode_preview(image: Any, fmt: str = "PNG", max_size: int | None = None) -> bytes:
@@ -58,6 +78,13 @@ def _finite(x: Any) -> Any:
     return x
 
 
+def _remember(ids: dict[str, None], sid: str) -> None:
+    ids.pop(sid, None)
+    ids[sid] = None
+    while len(ids) > MAX_SUBSCRIBERS:
+        del ids[next(iter(ids))]
+
+
 @dataclass(eq=False)
 class _Client:
     """One websocket and what waits to be sent to it."""
@@ -71,13 +98,33 @@ class _Client:
 
 
 class Hub:
-    """The websockets by client id, each with its own sender (see the module doc)."""
+    """The websockets by client id, each with its own sender (see the module doc).
+
+    Our own events (OURS) go to a client unless it announced itself as ComfyUI's front end (its first message is
+    the `feature_flags` one) and has not subscribed (POST /vramgraph/events, which our panel does): a page that
+    knows nothing of them is not sent them. They never carry the server's file paths (`without_paths`).
+    """
 
     def __init__(self, queue_size: int = SEND_QUEUE, queue_bytes: int = SEND_QUEUE_BYTES,
                  timeout: float = SEND_TIMEOUT) -> None:
         self.clients: dict[str, _Client] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.queue_size, self.queue_bytes, self.timeout = queue_size, queue_bytes, timeout
+        self.front_ends: dict[str, None] = {}  # client ids that announced ComfyUI's front end, oldest first
+        self.subscribed: dict[str, None] = {}  # client ids subscribed to our events, oldest first
+
+    def announce(self, sid: str) -> None:
+        """Client `sid` is ComfyUI's front end: our events only once it subscribes (remembered across its
+        reconnections, MAX_SUBSCRIBERS ids at most)."""
+        _remember(self.front_ends, sid)
+
+    def subscribe(self, sid: str) -> None:
+        """Client `sid` wants our events (remembered as announce does)."""
+        _remember(self.subscribed, sid)
+
+    def wants(self, sid: str, kind: str | int) -> bool:
+        return not (isinstance(kind, str) and kind.startswith(OURS)) or sid not in self.front_ends \
+            or sid in self.subscribed
 
     @property
     def sockets(self) -> dict[str, web.WebSocketResponse]:
@@ -118,8 +165,11 @@ class Hub:
     def send(self, kind: str | int, data: Any, sid: str | None = None) -> None:
         """Queue a message from the event loop's thread (sid None: every client); never waits."""
         targets = list(self.clients.values()) if sid is None else [self.clients[sid]] if sid in self.clients else []
+        targets = [c for c in targets if self.wants(c.sid, kind)]
         if not targets:
             return
+        if isinstance(kind, str) and kind.startswith(OURS):
+            data = without_paths(data)
         frame: bytes | str = bytes(data) if isinstance(data, bytes | bytearray) else dumps({"type": kind, "data": data})
         size = len(frame)
         for c in targets:

@@ -18,7 +18,7 @@ from aiohttp import WSMsgType, web
 
 from . import formats
 from .bodies import BadRequest, id_list, json_error, prompt_request, read_json, read_object, sane_id
-from .hub import MAX_INCOMING, Hub, dumps
+from .hub import MAX_INCOMING, Hub, dumps, without_paths
 from .queue import PromptQueue, Worker
 from .security import uploaded_image_format, view_headers
 
@@ -79,10 +79,10 @@ class Routes:
                 ("GET", "/object_info", self.object_info), ("GET", "/object_info/{node_class}", self.object_info_one),
                 ("POST", "/upload/image", self.upload_image), ("POST", "/interrupt", self.interrupt),
                 ("POST", "/free", self.free), ("GET", "/system_stats", self.system_stats),
-                ("GET", "/embeddings", self.embeddings), ("GET", "/extensions", self.embeddings),
+                ("GET", "/embeddings", self.embeddings),
                 ("POST", "/vramgraph/plan", self.plan), ("POST", "/vramgraph/convert", self.convert),
                 ("POST", "/vramgraph/ui", self.to_ui), ("GET", "/vramgraph/workflows", self.workflows),
-                ("GET", "/vramgraph/workflows/{name}", self.workflow)]
+                ("GET", "/vramgraph/workflows/{name}", self.workflow), ("POST", "/vramgraph/events", self.events)]
 
     async def websocket(self, request: web.Request) -> web.WebSocketResponse:
         sid = request.rel_url.query.get("clientId") or ""
@@ -105,10 +105,17 @@ class Routes:
                 elif msg.type == WSMsgType.TEXT and first:  # ComfyUI's front end sends its feature flags first
                     first = False
                     if formats.is_feature_flags(msg.data):
+                        self.hub.announce(sid)  # ComfyUI's front end: our events once its page subscribes
                         self.hub.send(formats.FEATURE_FLAGS, formats.features(formats.MAX_UPLOAD_SIZE), sid)
         finally:
             self.hub.detach(sid, ws)
         return ws
+
+    async def events(self, request: web.Request) -> web.Response:
+        """POST {"clientId"}: that client (ComfyUI's front end with our panel) wants our websocket events."""
+        body = await read_object(request)
+        self.hub.subscribe(sane_id(body.get("clientId"), "clientId"))
+        return web.Response(status=200)
 
     async def get_prompt(self, request: web.Request) -> web.Response:
         return web.json_response(self.worker.status())
@@ -351,8 +358,8 @@ async def plan_response(request: web.Request, planner: Callable[[], Any], lock: 
         return web.json_response({"error": VramgraphError.to_dict(e), "node_errors": {}}, status=400, dumps=_dumps)
     except (OSError, ValueError) as e:
         return _json_error(400, str(e), "plan_failed")
-    return web.json_response({"plan": plan.to_json(), "timeline": timeline_data(plan), "svg": svg,
-                              "table": plan.table(), "unplanned": stand_ins}, dumps=_dumps)
+    return web.json_response(without_paths({"plan": plan.to_json(), "timeline": timeline_data(plan), "svg": svg,
+                                            "table": plan.table(), "unplanned": stand_ins}), dumps=_dumps)
 
 
 _dumps = dumps  # JSON a browser can parse (no NaN)

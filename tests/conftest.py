@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# With VRAMGRAPH_NO_SKIPS=1 (.ci/run sets it) a skipped test fails the run unless it is marked `gpu`: a missing
+# browser, broker or package must not pass CI unseen.
+UNEXPECTED_SKIPS = pytest.StashKey[list]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[UNEXPECTED_SKIPS] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    report = yield
+    if report.skipped and "gpu" not in item.keywords and os.environ.get("VRAMGRAPH_NO_SKIPS") == "1":
+        item.config.stash[UNEXPECTED_SKIPS].append(item.nodeid)
+    return report
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if session.config.stash[UNEXPECTED_SKIPS]:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    skipped = config.stash[UNEXPECTED_SKIPS]
+    if skipped:
+        terminalreporter.section("skipped, but must run here (VRAMGRAPH_NO_SKIPS=1)", red=True)
+        for nodeid in skipped:
+            terminalreporter.line(nodeid)
+
 
 
 # ------------------------------------------------------------------------------------ shared fixtures

@@ -261,7 +261,7 @@ def test_dense_plan_picture_is_readable_and_the_cli_drawing(browser, server, tmp
 
 STUB_APP = """export const app = {
   registerExtension(ext) { ext.setup(); },
-  async graphToPrompt() { return { output: {} }; },
+  async graphToPrompt() { return { output: (await (await fetch("/prompt.json")).json()) }; },
 };"""
 STUB_API = """export const api = {
   addEventListener() {},
@@ -289,6 +289,7 @@ def test_comfyui_panel_shows_the_same_drawing(browser, server, tmp_path):
     assert body["unplanned"] == []  # inside ComfyUI, the nodes planned by stand-ins (test_comfy_pack) are named:
     body["unplanned"] = [{"node": "12", "class_type": "ImageScaleBy", "note": "ComfyUI's own node"}]
     (site / "plan.json").write_text(json.dumps(body))
+    (site / "prompt.json").write_text(json.dumps(prompt))
     (site / "index.html").write_text('<!doctype html><meta charset="utf-8"><body>'
                                      '<script type="module" src="/extensions/vramgraph/vramgraph_panel.js"></script>')
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))

@@ -1,5 +1,5 @@
 """ComfyUI API parity beyond the core routes (server/compat.py and the events): /features and the websocket's
-feature_flags answer, /models, /view_metadata, /api/jobs, /upload/mask, the read-only settings and user data,
+feature_flags answer, /models, /view_metadata, /api/jobs, /upload/mask, reading settings and user data,
 partial_execution_targets, progress_state, execution_cached, and exception_message without a type prefix.
 
 A real server on loopback over tiny models and real files; test nodes that count (with progress) or fail.
@@ -159,7 +159,8 @@ def test_models_and_their_files(server):
 def test_view_metadata(server):
     r = get(server.url, "/view_metadata/vae", filename="with_meta.safetensors")
     assert r.status_code == 200 and r.json() == {"modelspec.title": "a tiny vae", "format": "pt"}
-    for folder, name in [("vae", "flux2-vae.safetensors"), ("vae", "broken.safetensors"), ("vae", "nope.safetensors"),
+    assert get(server.url, "/view_metadata/vae", filename="flux2-vae.safetensors").json() == {}  # none in the file
+    for folder, name in [("vae", "broken.safetensors"), ("vae", "nope.safetensors"),
                          ("vae", "../../secret.txt"), ("input", "x.safetensors"), ("vae", "../../models/x.safetensors"),
                          ("vae", "with_meta.ckpt"), ("nope", "with_meta.safetensors")]:
         r = get(server.url, f"/view_metadata/{folder}", filename=name)
@@ -170,7 +171,8 @@ def test_view_metadata(server):
 # ------------------------------------------------------------------------------------------ settings, user data
 
 
-def test_settings_and_user_data_are_read_only(server, folders):
+def test_settings_and_user_data_are_read(server, folders):
+    """Reading as ComfyUI answers (writes: tests/test_userdata.py)."""
     url = server.url
     assert get(url, "/settings").json() == {"Comfy.ColorPalette": "dark", "Comfy.Zoom": 2}
     assert get(url, "/api/settings/Comfy.Zoom").json() == 2
@@ -191,14 +193,7 @@ def test_settings_and_user_data_are_read_only(server, folders):
         r = requests.get(f"{url}/userdata/{bad}", timeout=10)
         assert r.status_code in (403, 404) and b"not for the web" not in r.content, bad
     assert get(url, "/userdata", dir="../..").status_code == 403
-    for method, path in [("POST", "/settings"), ("POST", "/settings/Comfy.Zoom"), ("POST", "/userdata/x.json"),
-                         ("DELETE", "/userdata/workflows%2Fa.json"), ("POST", "/userdata/a.json/move/b.json"),
-                         ("POST", "/users"), ("POST", "/api/settings")]:
-        r = requests.request(method, url + path, json={"Comfy.Zoom": 3}, timeout=10)
-        assert r.status_code == 405 and r.headers["Allow"] == "GET", (method, path)
-        assert r.json()["error"]["type"] == "read_only" and "read-only" in r.json()["error"]["message"]
-    assert get(url, "/settings").json()["Comfy.Zoom"] == 2 and (folders.input.parent / "user" / "default" /
-                                                                "workflows" / "a.json").read_text() == '{"nodes": []}'
+    assert (folders.input.parent / "user" / "default" / "workflows" / "a.json").read_text() == '{"nodes": []}'
 
 
 def test_no_user_folder_means_no_settings(folders):
@@ -209,6 +204,12 @@ def test_no_user_folder_means_no_settings(folders):
         assert get(srv.url, "/settings").json() == {}
         assert get(srv.url, "/userdata", dir="workflows").status_code == 404
         assert get(srv.url, "/userdata/comfy.settings.json").status_code == 404
+        for method, path in [("POST", "/settings"), ("POST", "/settings/Comfy.Zoom"), ("POST", "/userdata/x.json"),
+                             ("DELETE", "/userdata/workflows%2Fa.json"), ("POST", "/userdata/a.json/move/b.json"),
+                             ("POST", "/users"), ("POST", "/api/settings")]:
+            r = requests.request(method, srv.url + path, json={"Comfy.Zoom": 3}, timeout=10)
+            assert r.status_code == 405 and r.headers["Allow"] == "GET", (method, path)
+            assert r.json()["error"]["type"] == "read_only" and "--user-dir" in r.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------------------------------ /upload/mask

@@ -359,3 +359,33 @@ def test_engine_matches_the_whole_model_pipeline(engine: Engine, tiny_models: Pa
     got = pixels(result.images[0]).astype(int)
     assert got.shape == want.shape == (SIZE, SIZE, 3)
     assert np.abs(got - want).max() <= 1, np.abs(got - want).max()
+
+
+def test_the_png_seed_comes_from_the_nearest_seeded_node_above() -> None:
+    """An image-to-image chain with two seeded samplers above one save, and a save with two samplers as near:
+
+        11 (seed 1) ──► 12 ──► 13 (seed 2) ──► 14 ──► 15 save          the nearer sampler: 13
+        21 (seed 3) ──┐
+        30 (seed 4) ──┴──► 31 save                                     as near: the lower id, 21
+        40 ──► 41 save                                                 no seed above: None
+
+    The answer must not depend on the order a set of ancestors happens to iterate in, so every graph is tried with
+    its nodes and edges added in many orders."""
+    import random
+
+    import networkx as nx
+    from vramgraph.graph.engine.executor import seed_source
+
+    seeded = {"11": ("noise_seed", 1), "13": ("seed", 2), "21": ("seed", 3), "30": ("noise_seed", 4)}
+    prompt = {n: {"inputs": {seeded[n][0]: seeded[n][1]} if n in seeded else {}}
+              for n in ("11", "12", "13", "14", "15", "21", "30", "31", "40", "41")}
+    edges = [("11", "12"), ("12", "13"), ("13", "14"), ("14", "15"), ("21", "31"), ("30", "31"), ("40", "41")]
+    rng = random.Random(0)
+    for _ in range(20):
+        dag = nx.DiGraph()
+        dag.add_nodes_from(rng.sample(sorted(prompt), len(prompt)))
+        dag.add_edges_from(rng.sample(edges, len(edges)))
+        assert seed_source(dag, prompt, "15") == ("13", "seed")
+        assert seed_source(dag, prompt, "31") == ("21", "seed")
+        assert seed_source(dag, prompt, "13") == ("13", "seed")  # a node's own seed input first
+        assert seed_source(dag, prompt, "41") is None

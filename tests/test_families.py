@@ -115,7 +115,7 @@ def test_the_families_the_brief_names(name, family):
         assert found.message == "this workflow uses FLUX.3 klein, which vramgraph does not run: FLUX.3 klein is " \
                                 "not supported"
         # the evidence is in the graph, not only a file name: the loader's type and the FLUX.3 node types
-        assert "type 'flux3'" in found.details or "Flux3" in found.class_type
+        assert "loads a text encoder of type 'flux3'" in found.details and found.class_type == "CLIPLoader"
 
 
 def _write(path: Path, keys: list[str]) -> None:

@@ -8,7 +8,6 @@ the tool's own (klein-4B on the H200: text encoder "te" 5.80 GiB, transformer "d
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from vramgraph.graph.plan.planner import DEFAULT_RESERVE, Budget, GiB, Load, Mod
 from vramgraph.nodes.types import Variant
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT.parent / "shared" / "tools" / "plan_bound.py"
 W = {"te": 5.80, "dit": 7.22, "vae": 0.09}  # as plan_bound.W
 ACT = {512: {"te": 0.2, "dit": 0.22, "vae": 0.60}, 1024: {"te": 0.2, "dit": 0.57, "vae": 2.38},
        1536: {"te": 0.2, "dit": 1.2, "vae": 5.35}, 2048: {"te": 0.2, "dit": 2.3, "vae": 9.5}}  # as plan_bound.ACT
@@ -152,12 +150,9 @@ def test_decode_beside_the_transformer_still_interleaves_nothing_moves() -> None
 
 
 def _tool():
-    if not TOOL.is_file():
-        pytest.skip(f"{TOOL} is not in this checkout")
-    spec = importlib.util.spec_from_file_location("plan_bound", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    import plan_bound  # tests/plan_bound.py: the shared tool, copied into the repository
+
+    return plan_bound
 
 
 def test_oracle_is_plan_bound() -> None:

@@ -13,10 +13,8 @@ allows. When everything fits, nothing is pinned and every model is loaded with `
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import re
-from pathlib import Path
 from xml.etree import ElementTree
 
 import networkx as nx
@@ -605,13 +603,8 @@ def test_oracle_queue_of_eight():
 
 
 def test_oracle_matches_plan_bound_tool():
-    """The in-test DP agrees with the shared tool's whole-model DP (skipped where the tool is absent)."""
-    path = Path(__file__).resolve().parents[2] / "shared" / "tools" / "plan_bound.py"
-    if not path.is_file():
-        pytest.skip(f"{path} is not in this checkout")
-    spec = importlib.util.spec_from_file_location("plan_bound", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    """The in-test DP agrees with the shared tool's whole-model DP (tests/plan_bound.py, a copy of the tool)."""
+    import plan_bound as tool
     for side, card_gib, n in ORACLE_CASES:
         seq = tool.nodes_for(side, n, False)
         ours = best_bytes([(m, gib(ACT[side][m])) for m in seq], card(card_gib).gpu)

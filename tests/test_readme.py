@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,10 +62,20 @@ def test_the_readme_documents_every_command() -> None:
     assert ["--version"] in commands()
 
 
+def _free_port(cmd: list[str]) -> list[str]:
+    """`cmd` with its `--port N` replaced by a port that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    i = cmd.index("--port")
+    return [*cmd[:i + 1], str(port), *cmd[i + 2:]]
+
+
 def test_readme_commands_exit_0(folder: Path) -> None:
     for args in commands():
         cmd = [sys.executable, "-m", "vramgraph", *args]
         if args[0] == "serve":
+            cmd = _free_port(cmd)  # the README's port may be taken (a server a reader left running)
             proc = subprocess.Popen(cmd, cwd=folder, env=_env(folder), text=True, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             try:

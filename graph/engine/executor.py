@@ -65,6 +65,31 @@ class NodeReport:
     measured_bytes: int = 0
 
 
+SEED_INPUTS = ("noise_seed", "seed")
+
+
+def seed_source(dag: nx.DiGraph, prompt: Mapping[str, dict], node: str) -> tuple[str, str] | None:
+    """Where the seed a node's PNG records comes from: the node's own seed input, else that of the nearest node
+    above it that has one (fewest links away; among nodes as near, the lowest id, numbers by value), as
+    (node, input name); None when no node above it is seeded. Deterministic: two seeded samplers above a save
+    always give the same answer (an image-to-image chain records its last sampler's seed)."""
+    seen, ring = {node}, [node]
+    while ring:
+        for n in sorted(ring, key=_id_key):
+            inputs = prompt[n]["inputs"]
+            name = next((s for s in SEED_INPUTS if s in inputs), None)
+            if name is not None:
+                return n, name
+        ring = list(dict.fromkeys(p for n in ring for p in dag.predecessors(n) if p not in seen))
+        seen.update(ring)
+    return None
+
+
+def _id_key(node: str) -> tuple:
+    """Node ids in a stable order: numbers by value before other names ("2" < "10" < "q0:1")."""
+    return (0, int(node), "") if node.isdigit() else (1, 0, node)
+
+
 def estimate_exceeded(report: NodeReport) -> dict | None:
     """The `vg_estimate_exceeded` event for a node whose measured GPU peak (above the weights resident when it
     started) passed the activation its plan predicted, or None when it stayed within. The measurement is the torch
@@ -610,13 +635,11 @@ class Engine:
         return values[node]
 
     def _seed(self, node: str, prep: Prepared, values: Mapping) -> int | None:
-        for a in nx.ancestors(prep.dag, node):
-            inputs = prep.prompt[a]["inputs"]
-            for name in ("noise_seed", "seed"):
-                if name in inputs:
-                    v = inputs[name]
-                    return self._value(v[0], values)[v[1]] if is_link(v) else v
-        return None
+        found = seed_source(prep.dag, prep.prompt, node)
+        if found is None:
+            return None
+        v = prep.prompt[found[0]]["inputs"][found[1]]
+        return self._value(v[0], values)[v[1]] if is_link(v) else v
 
     def _failure(self, node: str, class_type: str, message: str, e: Exception, inputs: Mapping[str, Any],
                  values: Mapping) -> NodeExecutionError:

@@ -330,11 +330,14 @@ class Pipeline:
     def generate(self, prompt: str | Sequence[str], *, seed: int | None = None, width: int = 1024,
                  height: int = 1024, steps: int | None = None, guidance: float | None = None,
                  negative: str | None = None, images: Sequence[Any] = (), events: Events | None = None,
-                 progress: Progress = None, spell: Mapping[str, str] | None = None) -> Generated | list[Generated]:
+                 progress: Progress = None, spell: Mapping[str, str] | None = None,
+                 loras: Sequence[str | Path | tuple[str | Path, float]] = ()) -> Generated | list[Generated]:
         """Text to image (edit with `images`: PIL images or paths), with the shipped workflows. Several prompts
         are planned as one queue; seeds count up from `seed` (random when None). Returns one Generated per
         prompt (a list for a list). `progress`: True draws a progress bar per node; a callable gets each step as a
-        api.progress.Progress (node, class_type, title, value, total)."""
+        api.progress.Progress (node, class_type, title, value, total). `loras`: LoRA files (paths, or names in the
+        loras folder of the models folders), each alone (strength 1) or as (file, strength), applied to the model
+        and the text encoder in this order."""
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
             raise ValueError("give a prompt: a non-empty string, or a list of them")
@@ -344,12 +347,45 @@ class Pipeline:
         refs = self._references(images, (spell or {}).get("images", "image"))
         base = secrets.randbelow(2**32) if seed is None else seed
         names = {"checkpoint": self.checkpoint} if self.checkpoint else dict(self.files)
+        chain = self.resolve_loras(loras, (spell or {}).get("loras", "loras"))
         prompts = [build_prompt(t, width=width, height=height, seed=base + i, steps=steps, guidance=guidance,
-                                negative=negative, references=refs, **names) for i, t in enumerate(texts)]
+                                negative=negative, references=refs, loras=chain, **names)
+                   for i, t in enumerate(texts)]
         outs = self._run_prompts(prompts, [None] * len(prompts), events, progress)
         made = [Generated(t, base + i, [im for ims in o.images.values() for im in ims], o.paths, p)
                 for i, (t, p, o) in enumerate(zip(texts, prompts, outs, strict=True))]
         return made[0] if isinstance(prompt, str) else made
+
+    def resolve_loras(self, loras: Sequence[Any], label: str) -> tuple[tuple[str, float], ...]:
+        """(name in the loras list, strength) of each LoRA; a path's folder becomes one more LoRA folder."""
+        import math
+
+        if isinstance(loras, str | Path):
+            loras = [loras]
+        out = []
+        for item in loras:
+            file, strength = (item if isinstance(item, tuple) and len(item) == 2 else (item, 1.0))
+            if isinstance(strength, bool) or not isinstance(strength, int | float) or not math.isfinite(strength):
+                raise ValueError(f"{label}: the strength of {file} must be a finite number (got {strength!r})")
+            path = Path(file).expanduser()
+            if path.is_file():
+                root = path.resolve().parent
+                if root not in self.folders.loras:
+                    self._add_lora_folder(root)
+                out.append((path.name, float(strength)))
+            elif path.is_absolute() or str(file).startswith((".", "~")):
+                raise ValueError(f"{label}: {file}: no such file")
+            else:
+                out.append((str(file), float(strength)))
+        return tuple(out)
+
+    def _add_lora_folder(self, root: Path) -> None:
+        self.settings = self.settings.replace(loras=(*self.settings.loras, root))
+        self.folders = replace(self.folders, loras=(*self.folders.loras, root))
+        if self._engine is not None:  # the running engine keeps its models; only where LoRAs are looked up grows
+            for holder in (self._engine, getattr(self._engine, "catalog", None)):
+                if holder is not None and getattr(holder, "folders", None) is not None:
+                    holder.folders = replace(holder.folders, loras=self.folders.loras)
 
     def _references(self, images: Sequence[Any], label: str) -> tuple[str, ...]:
         """Reference images reach the workflow through the input folder, under names made of their content."""

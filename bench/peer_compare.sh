@@ -8,7 +8,9 @@
 # FP8=1: the transformer file is quantized to fp8 as ComfyUI stores it (../shared/tools/comfyui-peer/quantize_fp8.py)
 # before either server starts, under the same name, so both run the same fp8 file. Settings: capN (an N GiB card,
 # e.g. cap12, cap8, cap6), uncapped; SETTING:JOB,JOB runs that setting with its own jobs (e.g. cap10:2048_s42).
-# PACK=0 skips the pack check inside ComfyUI.
+# PACK=0 skips the pack check inside ComfyUI. LORAS=1: after the jobs, each server also runs bench/peer_lora.py (two
+# stacked random full-size LoRAs in two key styles, one with a text encoder part; 1024², warm and cold, and the same
+# without LoRAs); $OUT/peer_lora.json has the pixel differences and time ratios.
 set -u
 SETTINGS=${1:-"cap12 uncapped"}
 ALL_JOBS=${JOBS:-1024_s42,1024_s43,1024_s44,512_s42,2048_s42}
@@ -33,6 +35,9 @@ if [ "${FP8:-}" = 1 ]; then  # the transformer as ComfyUI stores fp8 files (bloc
   t=/tmp/ck/comfyui/models/diffusion_models/flux-2-klein-4b.safetensors
   python3 .whl/peer/quantize_fp8.py $t /tmp/fp8.safetensors > $L/quantize_fp8.log 2>&1 || { cat $L/quantize_fp8.log; exit 1; }
   mv /tmp/fp8.safetensors $t; cat $L/quantize_fp8.log
+fi
+if [ "${LORAS:-}" = 1 ]; then
+  PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_lora.py files /tmp/ck/comfyui/models || exit 1
 fi
 ls -la /tmp/ck/comfyui/models/*/
 ln -sfn /tmp/ck/comfyui/models /tmp/cbase/models
@@ -65,6 +70,7 @@ comfy() {  # $1 label, rest: ComfyUI arguments
   timeout 300 python3 .whl/peer/peer_bench.py --port 8188 --label $label --out $P --results $L/results_$label.json \
     --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
   queue_wanted $label && timeout 200 python3 bench/peer_queue.py --port 8188 --label $label --out $L
+  [ "${LORAS:-}" = 1 ] && timeout 600 python3 bench/peer_lora.py run --port 8188 --label $label --out $L | tail -5
   if [ -n "${SAMPLER_PAIRS:-}" ] && [ "$label" = comfy_uncapped ]; then  # same picture per sampler/scheduler pair
     timeout 400 python3 bench/peer_samplers.py run --port 8188 --label comfy --out $P
   fi
@@ -85,6 +91,7 @@ ours() {  # $1 label, rest: vramgraph serve arguments
   timeout 300 python3 .whl/peer/peer_bench.py --port 8189 --label $label --out $P --results $L/results_$label.json \
     --wait 150 --pid $pid --jobs $JOBS 2>&1 | tail -8
   queue_wanted $label && timeout 200 python3 bench/peer_queue.py --port 8189 --label $label --out $L
+  [ "${LORAS:-}" = 1 ] && timeout 600 python3 bench/peer_lora.py run --port 8189 --label $label --out $L | tail -5
   if [ -n "${SAMPLER_PAIRS:-}" ] && [ "$label" = ours_uncapped ]; then
     timeout 400 python3 bench/peer_samplers.py run --port 8189 --label ours --out $P
   fi
@@ -110,6 +117,7 @@ done
 [ -n "${SAMPLER_PAIRS:-}" ] && PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_samplers.py compare $P comfy ours \
   $OUT/peer_samplers.json
 echo "== t=$(el) comparing"
+[ "${LORAS:-}" = 1 ] && PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_lora.py compare $L comfy ours $OUT/peer_lora.json
 PYTHONPATH=/tmp/pkgs:/tmp/site python3 bench/peer_compare.py $L $P $OUT/${NAME:-peer_compare}.json
 cp $L/page_cache.log $OUT/ 2>/dev/null
 (cd /tmp && tar -czf $OUT/peer_logs.tgz --exclude='*.png' peerlogs)  # few files come back from the device: the logs in one (PNGs are too big)

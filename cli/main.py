@@ -36,7 +36,7 @@ from ..graph.plan.planner import DEFAULT_RESERVE
 
 log = logging.getLogger("vramgraph")
 GENERATE_OPTIONS = {"width": "--width", "height": "--height", "steps": "--steps", "guidance": "--guidance",
-                    "seed": "--seed", "images": "--image"}
+                    "seed": "--seed", "images": "--image", "loras": "--lora"}
 
 
 def _engine_args(p: argparse.ArgumentParser, outputs: bool = True, json_flag: bool = True) -> None:
@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the text encoder: a path, or a name in <models>/text_encoders (default %(default)s)")
     g.add_argument("--vae", default="flux2-vae.safetensors", metavar="FILE",
                    help="the VAE: a path, or a name in <models>/vae (default %(default)s)")
+    g.add_argument("--lora", action="append", default=[], metavar="FILE[:STRENGTH]",
+                   help="a LoRA (a path, or a name in <models>/loras) on the model and text encoder, strength 1 "
+                        "unless given (repeatable: chained in order)")
     _engine_args(g, outputs=False)
     i = sub.add_parser("inspect", help="recognise checkpoints and print their spec (reads headers only)")
     i.add_argument("models", nargs="+")
@@ -386,13 +389,25 @@ def _generate(args: argparse.Namespace) -> int:
         pipe.previews = bool(args.preview)
         made = pipe.generate(texts, seed=args.seed, width=args.width, height=args.height, steps=args.steps,
                              guidance=args.guidance, negative=args.negative, images=args.image,
-                             events=_Bars(args.preview), progress=True, spell=GENERATE_OPTIONS)
+                             events=_Bars(args.preview), progress=True, spell=GENERATE_OPTIONS,
+                             loras=[lora_arg(x) for x in args.lora])
         for g, target in zip(made, targets, strict=True):
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(g.paths[0]), target)
             print(target)
             log.info("seed %d: %s", g.seed, target)
     return 0
+
+
+def lora_arg(text: str) -> tuple[str, float]:
+    """--lora FILE[:STRENGTH] as (file, strength); a colon not followed by a number belongs to the file name."""
+    file, sep, tail = text.rpartition(":")
+    if sep and file:
+        try:
+            return file, float(tail)
+        except ValueError:
+            pass
+    return text, 1.0
 
 
 def _session(args: argparse.Namespace) -> int:

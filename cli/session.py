@@ -4,7 +4,8 @@
 
 A line is a prompt, optionally starting with a size (`768x512 a red fox`). Commands: !seed N,
 !size WxH, !steps N (`!steps` alone: the default), !guidance G, !ref PATH (add a reference image;
-`!ref` alone clears them), !save DIR, !help, !quit. Each prompt is planned with the residency the
+`!ref` alone clears them), !lora FILE[:STRENGTH] (add a LoRA, a path or a name in loras/; `!lora` alone
+clears them), !save DIR, !help, !quit. Each prompt is planned with the residency the
 previous one left, so a model that stayed on the GPU is not loaded again; after each image the session
 says what was loaded or freed and how long it took. The seed goes up by one after every image.
 """
@@ -45,6 +46,7 @@ class Session:
     guidance: float | None = None
     save_dir: Path = field(default_factory=lambda: Path("output"))
     references: list[Path] = field(default_factory=list)
+    loras: list[tuple[str, float]] = field(default_factory=list)
     done: bool = False
 
     def handle(self, line: str, say: Callable[[str], None]) -> None:
@@ -102,6 +104,16 @@ class Session:
             if not path.is_file():
                 raise ValueError(f"!ref {arg}: no such file")
             self.references.append(path)
+        elif cmd == "lora":
+            if not arg:
+                self.loras.clear()
+                say("LoRAs cleared")
+                return
+            from .main import lora_arg
+
+            lora = lora_arg(arg)
+            self.pipe.resolve_loras([lora], "!lora")  # a missing file or a bad strength is refused now
+            self.loras.append(lora)
         elif cmd == "save":
             self.save_dir = Path(arg).expanduser()
         else:
@@ -109,15 +121,15 @@ class Session:
         if cmd not in ("quit", "exit", "q", "help"):
             say(f"seed {self.seed}, size {self.width}x{self.height}, steps {self.steps or 'default'}, "
                 f"guidance {self.guidance if self.guidance is not None else 'default'}, "
-                f"{len(self.references)} reference(s), saving to {self.save_dir}")
+                f"{len(self.references)} reference(s), {len(self.loras)} LoRA(s), saving to {self.save_dir}")
 
     def _generate(self, text: str, width: int, height: int, say: Callable[[str], None]) -> None:
         ledger = self.pipe.engine.ledger
         n_events = len(ledger.events)
         t0 = time.perf_counter()
         made = self.pipe.generate(text, seed=self.seed, width=width, height=height, steps=self.steps,
-                                  guidance=self.guidance, images=list(self.references),
-                                  spell={"width": "size width", "height": "size height"})
+                                  guidance=self.guidance, images=list(self.references), loras=list(self.loras),
+                                  spell={"width": "size width", "height": "size height", "loras": "!lora"})
         seconds = time.perf_counter() - t0
         self.save_dir.mkdir(parents=True, exist_ok=True)
         saved = []

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from . import core, gguf, output, vg
+from . import core, gguf, lora, output, vg
 
 CORE_NODES: dict[str, type] = {
     name: getattr(core, name) for name in (
@@ -15,9 +15,10 @@ CORE_NODES: dict[str, type] = {
         "VAEDecode", "VAEEncode", "ReferenceLatent", "LoadImage", "ImageScaleToTotalPixels", "GetImageSize",
         "PrimitiveInt", "PrimitiveFloat", "PrimitiveBoolean", "PrimitiveString", "PrimitiveStringMultiline",
         "KSampler", "FluxKVCache", "BasicScheduler")
-} | {"SaveImage": output.SaveImage, "PreviewImage": output.PreviewImage} | gguf.NODES  # ComfyUI-GGUF's loaders
-VG_NODES: dict[str, type] = dict(vg.NODES)
-VG_DISPLAY_NAMES: dict[str, str] = dict(vg.DISPLAY_NAMES)
+} | {"SaveImage": output.SaveImage, "PreviewImage": output.PreviewImage,
+     "LoraLoader": lora.LoraLoader, "LoraLoaderModelOnly": lora.LoraLoaderModelOnly} | gguf.NODES  # + ComfyUI-GGUF's
+VG_NODES: dict[str, type] = dict(vg.NODES) | {"VGLoraLoader": lora.VGLoraLoader}
+VG_DISPLAY_NAMES: dict[str, str] = dict(vg.DISPLAY_NAMES) | {"VGLoraLoader": "Load LoRA (vramgraph)"}
 ENGINE_NODES: dict[str, type] = CORE_NODES | VG_NODES
 
 __all__ = ["CORE_NODES", "ENGINE_NODES", "VG_DISPLAY_NAMES", "VG_NODES"]

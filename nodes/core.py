@@ -234,21 +234,26 @@ class CLIPTextEncode:
 
     @classmethod
     def vg_estimate(cls, env: Any, text: Any, clip: ModelInfo) -> Cost:
+        from .lora import with_lora_costs
+
         variants = estimates.text_encode(clip, 1, TEXT_TOKENS)
         if clip.placement == "cpu":
             variants = (estimates.text_encode_cpu(clip, 1),)
+        variants = with_lora_costs(clip, variants, TEXT_TOKENS, 1)
         return Cost((CondInfo(1, TEXT_TOKENS),), variants, host_bytes=TEXT_TOKENS * _context_dim(clip) * 4)
 
     def encode(self, text: str, clip: ModelHandle, vg: Any = None) -> tuple:
         from . import ops
+        from .lora import applied
 
         vg = vg or comfy_context(self)
         if vg.variant == "stream":
-            emb = ops.encode_text_streamed(vg.host_module(clip), vg.tokenizer(clip), [text], vg.device,
-                                           vg.check_interrupted, resident=vg.resident_blocks(clip),
-                                           kept=_kept(vg, clip))
+            with applied(vg, clip, vg.host_module(clip)) as m:
+                emb = ops.encode_text_streamed(m, vg.tokenizer(clip), [text], vg.device, vg.check_interrupted,
+                                               resident=vg.resident_blocks(clip), kept=_kept(vg, clip))
         else:
-            emb = ops.encode_text(vg.module(clip), vg.tokenizer(clip), [text], vg.check_interrupted)
+            with applied(vg, clip, vg.module(clip)) as m:
+                emb = ops.encode_text(m, vg.tokenizer(clip), [text], vg.check_interrupted)
         return (conditioning(emb),)
 
 
@@ -459,8 +464,12 @@ def model_calls(sampler: Any, steps: int) -> int:
 
 def _sampling_cost(model: ModelInfo, positive: CondInfo, negative: CondInfo | None, cfg: float,
                    latent: LatentInfo, steps: int, outputs: tuple) -> Cost:
+    from .lora import with_lora_costs
+
     cfg_batch = 2 if negative is not None and cfg != 1.0 else 1
     options = estimates.sampling_variants(model, latent, positive, cfg_batch, steps)
+    tokens = estimates.sampler_tokens(latent, positive) * latent.batch * cfg_batch
+    options = with_lora_costs(model, options, tokens, steps)
     nbytes = latent.batch * latent.channels * latent.height * latent.width * 4
     return Cost(outputs, options, host_bytes=nbytes * len(outputs))
 
@@ -471,6 +480,7 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
     import torch
 
     from . import ops
+    from .lora import applied
 
     pos, refs = cond_parts(positive, "positive")
     neg = None
@@ -496,12 +506,14 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
         from ..models.streaming import stream_blocks
 
         kw["sequential_cfg"] = vg.variant == "stream-cfg"
-        with stream_blocks(vg.host_module(model), vg.device, vg.resident_blocks(model), _kept(vg, model)) as m:
+        with applied(vg, model, vg.host_module(model)) as host, \
+                stream_blocks(host, vg.device, vg.resident_blocks(model), _kept(vg, model)) as m:
             out = ops.run_sampler(m, *args, **kw)
     else:  # resident: the step's levers (models/step.py), set by VRAMGRAPH_ATTENTION and VRAMGRAPH_COMPILE
         from ..models.step import StepOptions
 
-        out = ops.run_sampler(vg.module(model), *args, **kw, step=StepOptions.from_env())
+        with applied(vg, model, vg.module(model)) as m:
+            out = ops.run_sampler(m, *args, **kw, step=StepOptions.from_env())
     return {"samples": out}, ({"samples": last[0].float().cpu()} if last else {"samples": out})
 
 

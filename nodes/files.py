@@ -114,6 +114,7 @@ class Folders:
     checkpoints: tuple[Path, ...] = ()  # extra roots whose subfolders are checkpoints (--checkpoint PATH's parent)
     extra: tuple[ExtraPath, ...] = ()  # extra_model_paths.yaml's folders (nodes/modelpaths.py)
     max_image_pixels: int = MAX_IMAGE_PIXELS  # images from outside larger than this are refused (nodes/images.py)
+    loras: tuple[Path, ...] = ()  # extra folders of LoRA files (--lora PATH's folder)
 
     def model_dirs(self, folder: str) -> list[Path]:
         """The existing folders searched for `folder`, in ComfyUI's order: extra folders of an `is_default` group
@@ -125,6 +126,8 @@ class Folders:
         dirs = first + [root / n for root in self.models for n in names] + last
         if folder == "checkpoints":
             dirs += list(self.checkpoints)
+        if folder == "loras":
+            dirs += list(self.loras)
         return list(dict.fromkeys(d for d in dirs if d.is_dir()))
 
     def download_dir(self, folder: str) -> Path:

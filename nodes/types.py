@@ -10,7 +10,7 @@ for each way it can run (full GPU, tiled, CPU).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 # Port types (ComfyUI's names; a list of strings in INPUT_TYPES is a COMBO)
@@ -62,6 +62,21 @@ def compatible(output_type: str, input_type: str | list | tuple) -> bool:
 
 
 @dataclass(frozen=True)
+class LoraRef:
+    """A LoRA chained onto a model (LoraLoader, LoraLoaderModelOnly, --lora): its file, strength and what it adds."""
+
+    path: str
+    strength: float
+    source: str  # the file's identity (files.identity) when read
+    nbytes: int  # bytes of its adapter tensors for this model
+    layers: int  # layers it changes
+    rank: int
+    adapters: tuple[str, ...]  # "lora", "dora", "loha", "lokr"
+    touched: tuple[tuple[str, int, int], ...] = field(default=(), repr=False)  # (parameter, out, in) it changes
+    file: Any = field(default=None, repr=False, compare=False)  # models.lora_format.LoraFile
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """A model's identity and size, from its checkpoint headers (or a built-in spec when absent)."""
 
@@ -78,6 +93,7 @@ class ModelInfo:
     #                         references' keys and values on its first step)
     placement: str = "gpu"  # "gpu": the planner places it; "cpu": its nodes compute on the CPU and it never
     #                          takes GPU memory (ComfyUI's CLIPLoader device "cpu")
+    loras: tuple[LoraRef, ...] = ()  # LoRAs applied to it, in chain order (same weights, same key: nodes/lora.py)
 
 
 @dataclass(frozen=True)
@@ -187,6 +203,8 @@ class Variant:
     #                                costs bytes / bandwidth of their source every time, and they get pinned)
     blocks: Blocks | None = None  # with `streams`: the streamed model's blocks, some of which the plan keeps on the
     #                               GPU for the node (its `activation` is then `blocks.min_gpu()`)
+    lora_mode: str = ""  # how the model's LoRAs are applied in this variant: "merged", "onthefly" (nodes/lora.py)
+    lora: Any = field(default=None, compare=False, repr=False)  # nodes/lora.py LoraChoice: both ways' costs
 
 
 HOST = Variant("host")  # a node that needs no GPU at all (loaders, images, primitives)

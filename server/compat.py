@@ -52,14 +52,10 @@ class Compat:
 
     def _model_folders(self) -> dict[str, str]:
         """Every model folder name we answer to (ComfyUI's and its old names) -> ComfyUI's name."""
-        from ..nodes.files import MODEL_FOLDERS
-
-        return {alias: name for name, aliases in MODEL_FOLDERS.items() for alias in (name, *aliases)}
+        return {alias: name for name, aliases in _served().items() for alias in (name, *aliases)}
 
     async def models(self, request: web.Request) -> web.Response:
-        from ..nodes.files import MODEL_FOLDERS
-
-        return web.json_response(list(MODEL_FOLDERS))
+        return web.json_response(list(_served()))
 
     async def models_in(self, request: web.Request) -> web.Response:
         folder = self._model_folders().get(request.match_info["folder"])
@@ -258,3 +254,10 @@ def _dumps(obj: Any) -> str:
 
 
 __all__ = ["Compat"]
+
+
+def _served() -> dict[str, tuple[str, ...]]:
+    """The model folders the server lists: the model components' and loras (nodes/lora.py)."""
+    from ..nodes.files import MODEL_FOLDERS
+
+    return {**MODEL_FOLDERS, "loras": ("loras",)}

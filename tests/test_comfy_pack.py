@@ -42,7 +42,8 @@ def _fake_comfyui(root: Path, models: Path, device: str = "cpu") -> tuple[dict, 
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
     paths = {"diffusion_models": [models / "diffusion_models", models / "unet"],
-             "text_encoders": [models / "text_encoders", models / "clip"], "vae": [models / "vae"]}
+             "text_encoders": [models / "text_encoders", models / "clip"], "vae": [models / "vae"],
+             "loras": [models / "loras"]}  # ComfyUI has a loras folder too
 
     fp = types.ModuleType("folder_paths")
     fp.models_dir = str(models)
@@ -106,14 +107,13 @@ def _fake_comfyui(root: Path, models: Path, device: str = "cpu") -> tuple[dict, 
         OUTPUT_NODE = True
         FUNCTION = "save"
 
-    class LoraLoaderModelOnly:
+    class ModelSamplingAuraFlow:  # a MODEL patch vramgraph does not implement (LoRA loaders it does)
         @classmethod
         def INPUT_TYPES(cls):
-            return {"required": {"model": ("MODEL",), "lora_name": (["style.safetensors"],),
-                                 "strength_model": ("FLOAT", {"default": 1.0})}}
+            return {"required": {"model": ("MODEL",), "shift": ("FLOAT", {"default": 1.73})}}
 
         RETURN_TYPES = ("MODEL",)
-        FUNCTION = "load_lora"
+        FUNCTION = "patch_aura"
 
     class Broken:
         @classmethod
@@ -122,7 +122,7 @@ def _fake_comfyui(root: Path, models: Path, device: str = "cpu") -> tuple[dict, 
 
     nodes = types.ModuleType("nodes")  # ComfyUI's nodes.py: its core nodes and every loaded pack's, ours too
     nodes.NODE_CLASS_MAPPINGS = {"ImageScaleBy": ImageScaleBy, "SaveAnimatedWEBP": SaveAnimatedWEBP, "Broken": Broken,
-                                 "LoraLoaderModelOnly": LoraLoaderModelOnly,
+                                 "ModelSamplingAuraFlow": ModelSamplingAuraFlow,
                                  "SaveImage": SaveAnimatedWEBP}  # a core type we implement is planned as ours
     return {"folder_paths": fp, "comfy": comfy, "comfy.model_management": mm, "comfy.utils": utils,
             "server": server, "nodes": nodes}, calls
@@ -277,14 +277,13 @@ def test_plan_panel_plans_graphs_that_mix_vg_and_comfyui_nodes(pack):
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "missing_node_type"
         # ComfyUI's node between our loader and our sampler: our sampler cannot be sized, and the answer says why
         core = json.loads((ROOT / "workflows" / "core_text_to_image.json").read_text())
-        lora = {"model": ["1", 0], "lora_name": "style.safetensors", "strength_model": 1.0}
-        core["20"] = {"class_type": "LoraLoaderModelOnly", "inputs": lora}
+        core["20"] = {"class_type": "ModelSamplingAuraFlow", "inputs": {"model": ["1", 0], "shift": 1.73}}
         core["6"]["inputs"]["model"] = ["20", 0]
         bad = requests.post(srv.url + "/vramgraph/plan", json={"prompt": core}, timeout=60)
         assert bad.status_code == 400, bad.text
         error = bad.json()["error"]
         assert error["extra_info"]["node_id"] == "6"
-        assert "comes from node 20 (LoraLoaderModelOnly), ComfyUI's own node" in error["message"]
+        assert "comes from node 20 (ModelSamplingAuraFlow), ComfyUI's own node" in error["message"]
 
 
 def _heavy(pack, fn, *args, **kwargs):
@@ -431,3 +430,27 @@ def test_loaders_refuse_unrun_quantisations_at_comfyui_validation(pack, models):
     finally:
         bad.unlink()
     assert isinstance(msg, str) and msg.startswith(f"{bad.name}: layer ") and "it is quantised as 'nvfp4'" in msg
+
+
+def test_vg_lora_loader_inside_comfyui(pack, models):
+    """VGLoraLoader inside ComfyUI: the file from ComfyUI's loras folder, applied on the fly (ComfyUI moves our
+    modules between devices), the cached host weights left as they were."""
+    from vramgraph.models.lora_make import text_encoder_modules, transformer_modules, write_lora
+    from vramgraph.models.tiny import TINY_QWEN3, TINY_TRANSFORMER
+
+    write_lora(models / "loras" / "style.safetensors", transformer_modules(TINY_TRANSFORMER, "kohya") +
+               text_encoder_modules(TINY_QWEN3, "comfy_te"), rank=4, scale=0.3)
+    m = pack.NODE_CLASS_MAPPINGS
+    assert "style.safetensors" in m["VGLoraLoader"].INPUT_TYPES()["required"]["lora_name"][0]
+    (tr,) = m["VGLoadTransformer"]().load(file="flux-2-klein-4b.safetensors")
+    (te,) = m["VGLoadTextEncoder"]().load(file="qwen_3_4b.safetensors")
+    tr2, te2 = m["VGLoraLoader"]().load_lora(model=tr, clip=te, lora_name="style.safetensors", strength_model=1.0,
+                                             strength_clip=1.0)
+    assert len(tr2.info.loras) == 1 and len(te2.info.loras) == 1 and tr2.key == tr.key
+    (latent,) = m["VGEmptyLatent"]().generate(width=64, height=64, batch_size=1)
+    outs = []
+    for model, clip in ((tr, te), (tr2, te2), (tr, te)):
+        (cond,) = m["VGTextEncode"]().encode(text_encoder=clip, text="a hedgehog")
+        (s,) = m["VGSampler"]().sample(model=model, positive=cond, latent=latent, seed=3, steps=1, guidance=1.0)
+        outs.append(s["samples"])
+    assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -147,7 +147,7 @@ def test_features_and_the_feature_flags_answer(server):
 
 
 def test_models_and_their_files(server):
-    assert get(server.url, "/models").json() == ["diffusion_models", "text_encoders", "vae"]
+    assert get(server.url, "/models").json() == ["diffusion_models", "text_encoders", "vae", "loras"]
     vae = get(server.url, "/models/vae").json()
     assert vae == ["broken.safetensors", "flux2-vae.safetensors", "with_meta.safetensors"]
     assert get(server.url, "/api/models/diffusion_models").json() == get(server.url, "/models/unet").json() == \

@@ -151,6 +151,11 @@ class NodeContext:
         """The model's pinned host copy (for a node that streams it), waiting for its background read."""
         return self.engine.ledger.host_module(handle.key)
 
+    def host_weights(self, handle: ModelHandle) -> dict[str, torch.Tensor] | None:
+        """The model's host copy by parameter name, once read (a LoRA merged into GPU weights is undone from it)."""
+        e = self.engine.ledger.entries.get(handle.key)
+        return e.copy.host if e is not None and e.copy is not None else None
+
     def kept_blocks(self, handle: ModelHandle) -> Kept:
         """Where a node that streams the model finds the resident part an earlier node left on the GPU, and leaves
         its own (models/streaming.py; the plan counts it as resident until a node needs the room)."""

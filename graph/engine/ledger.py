@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...models import loading
+from ...models import loading, lora
 from ...models.streaming import Kept
 from ...nodes.types import ModelInfo
 from ..plan import residency
@@ -180,6 +180,8 @@ class Ledger:
                 for name, t in _tensors(copy.module).items():
                     t.data = copy.host[name].to(self.device, non_blocking=True)
                 torch.cuda.synchronize(self.device)
+            if self.device.type != "cpu":
+                lora.forget(copy.module)  # its parameters are a fresh copy of the base weights: nothing merged
         e.on_device = True
         self._note(Event("load", key, source, time.perf_counter() - t0, e.info.nbytes), e.info)
 
@@ -200,6 +202,7 @@ class Ledger:
         if e.copy is not None and self.device.type != "cpu":  # the host copy's parameters point home again
             for name, t in _tensors(e.copy.module).items():
                 t.data = e.copy.host[name]
+            lora.forget(e.copy.module)
         e.gpu_flat = None
         if to == "drop":
             if e.pending is not None:

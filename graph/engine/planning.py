@@ -19,6 +19,8 @@ import networkx as nx
 from ...nodes import ENGINE_NODES
 from ...nodes.catalog import ModelCatalog
 from ...nodes.files import MODEL_EXTENSIONS, Folders
+from ...nodes.lora import identity_of as _identity
+from ...nodes.lora import share_merges
 from ...nodes.types import is_link, is_mapping
 from ..plan import planner
 from ..workflow import estimate
@@ -42,15 +44,25 @@ class Prepared:
     hidden: Mapping[str, tuple[dict, dict | None]] = field(default_factory=dict)  # queued: node -> own prompt, pnginfo
 
 
-def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph, changed: Mapping[str, Any] | None = None) -> dict[str, str]:
+def signatures(prompt: Mapping[str, dict], dag: nx.DiGraph, changed: Mapping[str, Any] | None = None,
+               signed: Mapping[str, tuple] | None = None) -> dict[str, str]:
     """Per node a hash of its class, its inputs (linked inputs by their source's signature, so a change anywhere
     reaches every node after it) and its `changed` value: what `IS_CHANGED` said of the files it reads (ComfyUI's
-    cache key)."""
+    cache key). `signed`: nodes whose outputs sign themselves (LoRA loaders: a model by its file and LoRA chain), so
+    a consumer of one output does not see changes that only touch another (a text encoding keeps its cache when only
+    the model's LoRA changed)."""
     sig: dict[str, str] = {}
     changed = changed or {}
+    signed = signed or {}
+
+    def link(v: list) -> list:
+        if v[0] in signed and v[1] < len(signed[v[0]]):
+            return ["value", digest(signed[v[0]][v[1]])[:24]]
+        return ["link", sig.get(v[0], v[0]), v[1]]
+
     for node in nx.topological_sort(dag):
         spec = prompt[node]
-        inputs = {k: ["link", sig.get(v[0], v[0]), v[1]] if is_link(v) else v for k, v in spec["inputs"].items()}
+        inputs = {k: link(v) if is_link(v) else v for k, v in spec["inputs"].items()}
         key = [spec["class_type"], inputs] + ([changed[node]] if node in changed else [])
         sig[node] = digest(key)[:24]
     return sig
@@ -106,8 +118,10 @@ def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: 
     if not check.ok:
         raise ValidationFailed(check.response())
     prompt = {n: check.prompt[n] for n in check.dag.nodes}
-    costs = estimate.propagate(prompt, check.dag, nodes, catalog, Defaults(folders))
-    sigs = signatures(prompt, check.dag, changes(prompt, check.dag, nodes, folders, costs))
+    costs = share_merges(estimate.propagate(prompt, check.dag, nodes, catalog, Defaults(folders)))
+    signed = {n: tuple(_identity(o) for o in costs[n].outputs) for n in check.dag.nodes
+              if getattr(nodes[prompt[n]["class_type"]], "VG_SIGNS_OUTPUTS", False)}
+    sigs = signatures(prompt, check.dag, changes(prompt, check.dag, nodes, folders, costs), signed)
     held = set(cached)
     done = tuple(n for n in check.dag.nodes if sigs[n] in held)
     node_costs, models = estimate.planner_inputs(prompt, costs)

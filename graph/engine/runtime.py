@@ -53,6 +53,7 @@ class Settings:
     checkpoints: Sequence[str | Path] = ()  # extra roots whose subfolders are checkpoints
     extra_model_paths: Sequence[str | Path] = ()  # ComfyUI extra_model_paths.yaml files (nodes/modelpaths.py)
     extra_folders: Sequence[Any] = ()  # more model folders (nodes.modelpaths.ExtraPath), e.g. of a file given by path
+    loras: Sequence[str | Path] = ()  # extra folders of LoRA files
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -63,7 +64,7 @@ def settings_of(obj: Any) -> Settings:
     `host`, which is an address to `serve` (a host RAM budget is only ever given as Settings)."""
     if isinstance(obj, Settings):
         return obj
-    many = ("checkpoints", "extra_model_paths", "extra_folders")
+    many = ("checkpoints", "extra_model_paths", "extra_folders", "loras")
     return Settings(**{f.name: getattr(obj, f.name, None) if f.name not in many else
                        tuple(getattr(obj, f.name, None) or ()) for f in dataclasses.fields(Settings)
                        if f.name != "host"})
@@ -138,7 +139,8 @@ def folders_from(settings: Any) -> Any:
     return Folders(models=models, input=Path(s.input or cfg.get("input", "input")).expanduser(),
                    output=output, temp=Path(cfg.get("temp", output / "temp")).expanduser(),
                    checkpoints=tuple(Path(c).expanduser() for c in s.checkpoints),
-                   extra=tuple(s.extra_folders) + extra_paths(yamls, models), max_image_pixels=image_cap(cfg))
+                   extra=tuple(s.extra_folders) + extra_paths(yamls, models), max_image_pixels=image_cap(cfg),
+                   loras=tuple(Path(c).expanduser() for c in s.loras))
 
 
 def _listed(value: Any) -> list:

@@ -72,11 +72,13 @@ def _fresh(prompt: Mapping[str, dict]) -> str:
 def build_prompt(text: str, *, width: int = 1024, height: int = 1024, seed: int = 0, steps: int | None = None,
                  guidance: float | None = None, negative: str | None = None, references: tuple[str, ...] = (),
                  transformer: str = "flux-2-klein-4b.safetensors", text_encoder: str = "qwen_3_4b.safetensors",
-                 vae: str = "flux2-vae.safetensors", checkpoint: str | None = None) -> dict:
+                 vae: str = "flux2-vae.safetensors", checkpoint: str | None = None,
+                 loras: tuple[tuple[str, float], ...] = ()) -> dict:
     """One of the shipped workflows (text to image, base with a negative, edit, multi-reference), filled in.
 
     `references` are names in the input folder. With `checkpoint` (the name of a checkpoint folder in the
-    checkpoints list) one VGLoadCheckpoint replaces the three file loaders.
+    checkpoints list) one VGLoadCheckpoint replaces the three file loaders. `loras`: (name in the loras list,
+    strength) chained by VGLoraLoader nodes onto the model and the text encoder.
     """
     base = negative is not None
     name = "text_to_image_base" if base and not references else "multi_reference" if len(references) > 1 else \
@@ -122,4 +124,23 @@ def build_prompt(text: str, *, width: int = 1024, height: int = 1024, seed: int 
     else:
         for kind, file in (("transformer", transformer), ("text_encoder", text_encoder), ("vae", vae)):
             prompt[roles.loaders[kind]]["inputs"]["file"] = file
+    return _chain_loras(prompt, roles.sampler, loras)
+
+
+def _chain_loras(prompt: dict, sampler: str, loras: tuple[tuple[str, float], ...]) -> dict:
+    """VGLoraLoader nodes between the model and text encoder sources and their consumers, in the given order."""
+    if not loras:
+        return prompt
+    model = list(prompt[sampler]["inputs"]["model"])
+    encoders = [n for n, node in prompt.items() if node["class_type"] == "VGTextEncode"]
+    clip = list(prompt[encoders[0]]["inputs"]["text_encoder"])
+    for name, strength in loras:
+        node = _fresh(prompt)
+        prompt[node] = {"class_type": "VGLoraLoader", "inputs": {
+            "model": model, "clip": clip, "lora_name": name, "strength_model": strength, "strength_clip": strength},
+            "_meta": {"title": f"LoRA {name}"}}
+        model, clip = [node, 0], [node, 1]
+    prompt[sampler]["inputs"]["model"] = model
+    for n in encoders:
+        prompt[n]["inputs"]["text_encoder"] = clip
     return prompt

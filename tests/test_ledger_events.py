@@ -4,6 +4,7 @@ cover every event ever noted, the dropped ones too."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 from vramgraph.graph.engine.ledger import Event, EventLog
@@ -38,3 +39,18 @@ def test_the_log_keeps_only_the_last_events_and_says_when_a_reader_lost_some(cap
     assert "8 ledger events since mark 2, only the last 4 kept" in caplog.text
     with pytest.raises(ValueError, match="mark 11 is after the 10 events noted"):
         log.since(11)
+
+
+def test_a_session_reports_the_moves_of_each_image_only(tiny_models: Path, tmp_path: Path) -> None:
+    """cli/session.py reads the ledger by mark: the first image loads the three models, the second moves none."""
+    from vramgraph.api.pipeline import Pipeline
+    from vramgraph.cli.session import Session
+
+    pipe = Pipeline(tiny_models, input=tmp_path / "input", output=tmp_path / "output")
+    session = Session(pipe, width=64, height=64, steps=2, save_dir=tmp_path / "saved")
+    said: list[str] = []
+    session.handle("a red fox", said.append)
+    session.handle("a red fox", said.append)
+    first, second = said
+    assert first.endswith("loaded text encoder, transformer, vae"), first
+    assert second.endswith("no model moved"), second

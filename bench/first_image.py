@@ -39,7 +39,7 @@ def timed_run(engine: Engine, prompts: list[dict]) -> dict:
             torch.cuda.synchronize()
             saved.append(time.perf_counter())
 
-    n0 = len(engine.ledger.events)
+    n0 = engine.ledger.events.mark()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     if len(prompts) == 1:
@@ -49,7 +49,7 @@ def timed_run(engine: Engine, prompts: list[dict]) -> dict:
     torch.cuda.synchronize()
     total = time.perf_counter() - t0
     loads: dict[str, int] = {}
-    for e in engine.ledger.events[n0:]:
+    for e in engine.ledger.events.since(n0):
         if e.kind == "load":
             loads[e.model.split(":")[0]] = loads.get(e.model.split(":")[0], 0) + 1
     classes = result.plan.classes

@@ -127,7 +127,7 @@ def report(engine: Engine, result, n0: int, seconds: float) -> dict:
             "steps": [f"{type(ps.step).__name__} {vars(ps.step)}" for ps in result.plan.steps],
             "nodes": {f"{n.node}:{n.class_type}": round(n.seconds, 3) for n in result.nodes},
             "ledger": [{"kind": e.kind, "model": e.model.split(":")[0], "source": e.source,
-                        "s": round(e.seconds, 3)} for e in engine.ledger.events[n0:]]}
+                        "s": round(e.seconds, 3)} for e in engine.ledger.events.since(n0)]}
 
 
 def part2(models: Path, card: int | None, out: Path) -> dict:
@@ -135,10 +135,10 @@ def part2(models: Path, card: int | None, out: Path) -> dict:
     engine = Engine(folders, budget=budget_for("cuda", f"{card}GiB" if card else None))
     r = {}
     for name, p in (("cold", prompt(1024, 0)), ("warm", prompt(1024, 1))):
-        n0 = len(engine.ledger.events)
+        n0 = engine.ledger.events.mark()
         res, s = timed(engine.run, p)
         r[name] = report(engine, res, n0, s)
-    n0 = len(engine.ledger.events)
+    n0 = engine.ledger.events.mark()
     (res, _), s = timed(lambda: engine.run_queue([prompt(1024, i) for i in range(2, 9)]))
     r["queue7"] = report(engine, res, n0, s)
     engine.free()

@@ -188,7 +188,7 @@ def run_cell(engine: Engine, a: argparse.Namespace, workflow: str, card: int, si
         if kind in ("vg_replan", "vg_estimate_exceeded"):
             events.append({"event": kind, **{k: v for k, v in data.items() if k != "plan"}})
 
-    n_moves = len(engine.ledger.events)
+    n_moves = engine.ledger.events.mark()
     engine.peaks(reset=True)
     result, error = None, None
     t0 = time.perf_counter()
@@ -207,7 +207,8 @@ def run_cell(engine: Engine, a: argparse.Namespace, workflow: str, card: int, si
         cell["status"] = "ok"
     cell["events"] = events
     cell["moves"] = [{"kind": e.kind, "model": e.model.split(":")[0], "source": e.source,
-                      "seconds": round(e.seconds, 4), "gib": _gib(e.nbytes)} for e in engine.ledger.events[n_moves:]]
+                      "seconds": round(e.seconds, 4), "gib": _gib(e.nbytes)}
+                     for e in engine.ledger.events.since(n_moves)]
     if result is not None:
         cell["ran"] = {"loads": result.loads, "unloads": result.unloads, "replans": len(result.replans)}
         cell["nodes"] = [node_row(n, prep, runs, cuda) for n in result.nodes

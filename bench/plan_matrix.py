@@ -129,7 +129,7 @@ def run_cell(engine: Engine, card: int, side: int) -> dict:
         planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, engine.budget, engine.cost,
                      start)
         t_plan = time.perf_counter() - t0
-        n_events = len(engine.ledger.events)
+        n_events = engine.ledger.events.mark()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
@@ -139,7 +139,7 @@ def run_cell(engine: Engine, card: int, side: int) -> dict:
         except Exception as e:  # reported, never hidden: the acceptance counts these
             cell["images"].append({"error": f"{type(e).__name__}: {e}"[:2000]})
             return cell
-        events = engine.ledger.events[n_events:]
+        events = engine.ledger.events.since(n_events)
         cell["images"].append({
             "seconds": round(seconds, 4), "prepare_ms": round(t_prepare * 1e3, 3), "plan_ms": round(t_plan * 1e3, 3),
             "loads": result.loads, "unloads": result.unloads,

@@ -40,7 +40,7 @@ def case(engine: Engine, card: int | None, prompts: list[dict], queued: bool, pr
         if kind == "preview":
             frames.append(data["step"])
 
-    n0 = len(engine.ledger.events)
+    n0 = engine.ledger.events.mark()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     if queued:
@@ -54,7 +54,7 @@ def case(engine: Engine, card: int | None, prompts: list[dict], queued: bool, pr
             images.append(r.images)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    moves = engine.ledger.events[n0:]
+    moves = engine.ledger.events.since(n0)
     loads = {}
     for e in moves:
         if e.kind == "load":

@@ -125,7 +125,7 @@ class Session:
 
     def _generate(self, text: str, width: int, height: int, say: Callable[[str], None]) -> None:
         ledger = self.pipe.engine.ledger
-        n_events = len(ledger.events)
+        mark = ledger.events.mark()
         t0 = time.perf_counter()
         made = self.pipe.generate(text, seed=self.seed, width=width, height=height, steps=self.steps,
                                   guidance=self.guidance, images=list(self.references), loras=list(self.loras),
@@ -139,7 +139,7 @@ class Session:
             shutil.move(str(p), target)
             saved.append(target)
         say(f"{', '.join(map(str, saved))}  seed {made.seed}, {seconds:.2f} s; "
-            f"{describe_moves(ledger.events[n_events:])}")
+            f"{describe_moves(ledger.events.since(mark))}")
         self.seed += 1
 
 

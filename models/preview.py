@@ -8,7 +8,6 @@ fits one by least squares against a VAE decoder). A 1024² image previews at 128
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -17,8 +16,9 @@ from PIL import Image
 MAP_FILE = Path(__file__).parent / "data" / "flux2_preview_rgb.json"
 
 
-@cache
 def _map(path: Path = MAP_FILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (weight, bias) map, read at each call (1.7 KB of JSON: tens of microseconds), so that no caller shares a
+    tensor another may change."""
     data = json.loads(path.read_text())
     return torch.tensor(data["weight"], dtype=torch.float32), torch.tensor(data["bias"], dtype=torch.float32)
 

@@ -68,42 +68,29 @@ def builtin_bytes(kind: str, name: str, config: Any, dtype: str) -> int:
                for key, shape in family.parameter_shapes(config).items())
 
 
-_REFUSALS: dict[tuple[str, str], str | None] = {}  # (path, identity) -> header_refusal's answer
-_REFUSALS_KEPT = 64
-_refusals_lock = threading.Lock()
-
-
 def header_refusal(folders: Any, folder: str, name: str) -> str | None:
     """Why the model file (or checkpoint folder) `name` in `folder` cannot be loaded, from its header alone: a
     quantisation vramgraph does not run (`QuantError`: the file, the layer and the format) or a GGUF file that is
     damaged or not ours (`GGUFError`: the file and what is wrong), else None. The loader
     nodes' VALIDATE_INPUTS ask this, so such a file is refused at validation, not when the prompt runs. A file that
     is absent (planning from the built-in specs) or unreadable is left to the loader (None). `folders` None: inside
-    ComfyUI (its folder_paths). Answers are kept per file identity, so a validation reads each header once."""
+    ComfyUI (its folder_paths). Nothing is kept between calls: a header is read again at each validation (a few
+    milliseconds for a FLUX.2 transformer's 149 tensors), so a file replaced under the same name is judged anew."""
     try:
         if folders is None:
             from .comfy import comfy_folders
 
             folders = comfy_folders()
         path = folders.resolve(folder, name)
-        key = (str(path), identity(path))
     except (ImportError, OSError, ValueError):  # outside ComfyUI without folders; an absent or unreadable file
         return None
-    with _refusals_lock:
-        if key in _REFUSALS:
-            return _REFUSALS[key]
     try:
         loading.inspect([path])
-        found = None
     except (QuantError, GGUFError) as e:  # GGUF: a damaged or foreign file is refused here too
-        found = str(e)
+        return str(e)
     except Exception:  # not a quantisation problem (damaged, not ours, ...): the loader reports it when it runs
-        found = None
-    with _refusals_lock:
-        if len(_REFUSALS) >= _REFUSALS_KEPT:
-            _REFUSALS.clear()
-        _REFUSALS[key] = found
-    return found
+        return None
+    return None
 
 
 @dataclass

@@ -23,14 +23,6 @@ import numpy as np
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COLOR_TYPES = {1: 0, 3: 2, 4: 6}  # channels -> PNG colour type
 PIECE = 256 * 1024  # bytes of filtered rows per parallel piece
-_pool: ThreadPoolExecutor | None = None
-
-
-def _threads() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="vramgraph-png")
-    return _pool
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -50,10 +42,16 @@ def _piece(data: memoryview, level: int, last: bool) -> bytes:
 
 
 def deflate(data: bytes, level: int) -> bytes:
-    """One zlib stream of `data`, its pieces deflated in parallel."""
+    """One zlib stream of `data`, its pieces deflated in parallel on threads of this call (made and joined here:
+    starting them costs about a millisecond, a 1024x1024 picture's deflate 0.1-0.3 s)."""
     view = memoryview(data)
     starts = range(0, max(len(data), 1), PIECE)
-    parts = _threads().map(lambda s: _piece(view[s:s + PIECE], level, s + PIECE >= len(data)), starts)
+    workers = min(8, os.cpu_count() or 1, len(starts))
+    if workers <= 1:
+        parts = [_piece(view[s:s + PIECE], level, s + PIECE >= len(data)) for s in starts]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="vramgraph-png") as pool:
+            parts = list(pool.map(lambda s: _piece(view[s:s + PIECE], level, s + PIECE >= len(data)), starts))
     header = bytes([0x78, 0x01 if level <= 1 else 0x5E if level <= 5 else 0x9C])
     return header + b"".join(parts) + struct.pack(">I", zlib.adler32(data))
 

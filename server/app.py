@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import mimetypes
 import platform
 import sys
 import threading
@@ -127,6 +126,14 @@ def _comfy_device() -> Any:
 ROUTES = web.AppKey("vramgraph", Routes)  # app[ROUTES]: the queue, worker and hub behind an app
 
 
+async def _module_type(request: web.Request, response: web.StreamResponse) -> None:
+    """ES module files (.mjs: ours under /web/ and /extensions/, a front end's) as text/javascript, the type browsers
+    require of a module script, whatever the platform's MIME tables say; set on the answer, not registered in the
+    process-wide `mimetypes` tables."""
+    if isinstance(response, web.FileResponse) and request.path.endswith(".mjs"):
+        response.content_type = "text/javascript"
+
+
 def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, previews: bool = False,
              batch: bool = True, plugins: tuple[str, ...] = (), user_dir: Path | None = None,
              cors: str | None = None, broker: str | None = None, frontend_id: str | None = None,
@@ -148,7 +155,6 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
     """
     from ..graph.engine.executor import Engine
 
-    mimetypes.add_type("text/javascript", ".mjs")
     planner = planner or Engine(engine.folders, device=str(engine.device), dtype=engine.dtype, budget=engine.budget,
                                 nodes=engine.nodes, cost=engine.cost, allow_builtin=True)
     queue, hub = PromptQueue(), Hub()
@@ -190,6 +196,7 @@ def make_app(engine: Any, *, planner: Any = None, start_worker: bool = True, pre
 
     app.on_startup.append(started)
     app.on_shutdown.append(stopping)
+    app.on_response_prepare.append(_module_type)
     return app
 
 

@@ -183,7 +183,7 @@ class FleetWorker:
         return redact(str(value), broker.password(self.url))
 
     def loads(self) -> int:
-        return sum(1 for e in self.engine.ledger.events if e.kind == "load")
+        return self.engine.ledger.events.count("load")
 
     def holds(self) -> list[str]:
         """The known sets whose models are all on this worker's GPU now, the one used last first."""

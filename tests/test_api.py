@@ -32,7 +32,7 @@ def pipe(tiny_models: Path, tmp_path: Path) -> Pipeline:
 
 
 def _loads(pipe: Pipeline, since: int) -> list[str]:
-    return [e.model.split(":")[0] for e in pipe.engine.ledger.events[since:] if e.kind == "load"]
+    return [e.model.split(":")[0] for e in pipe.engine.ledger.events.since(since) if e.kind == "load"]
 
 
 def test_import_is_light_and_pipeline_is_lazy() -> None:
@@ -51,7 +51,7 @@ def test_generate_records_the_seed_and_keeps_models(pipe: Pipeline) -> None:
     assert image.size == (SIDE, SIDE) and path.is_file() and path.parent == pipe.folders.output / "vramgraph"
     assert image.info["seed"] == "7" and json.loads(image.info["prompt"]) == fox.prompt
     assert np.array_equal(np.asarray(image), np.asarray(Image.open(path)))
-    n = len(pipe.engine.ledger.events)
+    n = pipe.engine.ledger.events.mark()
     again = pipe.generate("a red fox", seed=8, width=SIDE, height=SIDE)
     assert _loads(pipe, n) == []  # the models stayed loaded
     assert not np.array_equal(np.asarray(again.images[0]), np.asarray(image))  # another seed, another picture
@@ -60,7 +60,7 @@ def test_generate_records_the_seed_and_keeps_models(pipe: Pipeline) -> None:
 
 
 def test_generate_many_is_one_queue_with_counted_seeds(pipe: Pipeline) -> None:
-    n = len(pipe.engine.ledger.events)
+    n = pipe.engine.ledger.events.mark()
     made = pipe.generate(["a boat", "a lighthouse", "a gull"], seed=3, width=SIDE, height=SIDE)
     assert [g.seed for g in made] == [3, 4, 5]
     assert sorted(_loads(pipe, n)) == ["text_encoder", "transformer", "vae"]  # one load each for three images

@@ -456,7 +456,7 @@ def test_page_and_scripts_are_served(server):
     assert r.status_code == 200 and '<script type="module" src="/web/app.mjs">' in r.text
     for name in ("app.mjs", "graph.mjs", "timeline.mjs"):
         r = requests.get(f"{server.url}/web/{name}", timeout=10)
-        assert r.status_code == 200 and "javascript" in r.headers["Content-Type"], name
+        assert r.status_code == 200 and r.headers["Content-Type"].split(";")[0] == "text/javascript", name
     assert requests.get(server.url + "/web/style.css", timeout=10).status_code == 200
 
 

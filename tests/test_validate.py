@@ -20,7 +20,6 @@ import pytest
 from vramgraph.graph.workflow.errors import (
     InterruptedRun,
     NodeExecutionError,
-    OutOfPlan,
     ValidationFailed,
     VramgraphError,
     WorkflowError,
@@ -396,15 +395,11 @@ def test_validation_failed_carries_the_response(folders: Folders) -> None:
 
 def test_error_shapes() -> None:
     for err in (WorkflowError("Not a workflow", "x.json: expected JSON; export with 'Save (API)'"),
-                InterruptedRun("11", "SamplerCustomAdvanced"), OutOfPlan("12", "VAEDecode", 1 << 30, 3 << 29)):
+                InterruptedRun("11", "SamplerCustomAdvanced")):
         d = err.to_dict()
         assert set(d) == {"type", "message", "details", "extra_info"}
         assert json.loads(json.dumps(d)) == d
     assert WorkflowError("m").type == "invalid_prompt"
-    oop = OutOfPlan("12", "VAEDecode", 1 << 30, 3 << 29)
-    assert oop.type == "out_of_plan" and "Node 12 (VAEDecode)" in oop.message
-    assert "1.50 GiB" in oop.message and "1.00 GiB" in oop.message
-    assert oop.extra_info["predicted_bytes"] == 1 << 30 and oop.extra_info["measured_bytes"] == 3 << 29
 
 
 def test_node_execution_error_is_comfyui_execution_error() -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -69,13 +71,59 @@ class Entry:
         return self.copy.module if self.copy is not None else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Event:
     kind: str  # "load", "unload", "pin"
     model: str
     source: str
     seconds: float
     nbytes: int
+
+
+EVENTS_KEPT = 4096  # a run of 64 prompts with 3 models, each swapped at every node, notes under 1000
+
+
+@dataclass
+class EventLog:
+    """The ledger's moves, bounded: the last `kept` events, a count of every event ever noted (the mark), and a count
+    per kind. A reader takes `mark()` before a run and `since(mark)` after it, so an old run's events are never kept
+    for a new one's sake (the log of a server that runs for days stays `kept` long)."""
+
+    kept: int = EVENTS_KEPT
+    noted: int = 0  # every event ever noted: marks count from here
+    kinds: dict[str, int] = field(default_factory=dict)  # kind -> events of that kind ever noted
+    _recent: deque[Event] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._recent = deque(maxlen=self.kept)
+
+    def note(self, ev: Event) -> None:
+        self._recent.append(ev)  # the oldest falls out past `kept`
+        self.noted += 1
+        self.kinds[ev.kind] = self.kinds.get(ev.kind, 0) + 1
+
+    def mark(self) -> int:
+        return self.noted
+
+    def since(self, mark: int) -> list[Event]:
+        """The events noted after `mark` (a `mark()` taken earlier). More than `kept` of them: only the last `kept`
+        are left, and a warning says how many were dropped."""
+        wanted = self.noted - mark
+        if wanted < 0:
+            raise ValueError(f"mark {mark} is after the {self.noted} events noted: take it with mark()")
+        if wanted > len(self._recent):
+            log.warning("%d ledger events since mark %d, only the last %d kept", wanted, mark, len(self._recent))
+        return list(self._recent)[max(0, len(self._recent) - wanted):]
+
+    def count(self, kind: str) -> int:
+        """Events of `kind` ("load", "unload", "pin") ever noted, the dropped ones too."""
+        return self.kinds.get(kind, 0)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(tuple(self._recent))
+
+    def __len__(self) -> int:
+        return len(self._recent)
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -88,7 +136,7 @@ def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 class Ledger:
     device: torch.device
     entries: dict[str, Entry] = field(default_factory=dict)
-    events: list[Event] = field(default_factory=list)
+    events: EventLog = field(default_factory=EventLog)  # the last moves: mark() / since(mark), count(kind)
     _pool: ThreadPoolExecutor | None = None
 
     def register(self, info: ModelInfo) -> None:
@@ -191,7 +239,7 @@ class Ledger:
             e = self.entries[base]
             nbytes, blocks = e.kept.nbytes, len(e.kept.blocks)  # (whatever part is there: the plan wants the room)
             e.kept.drop()
-            self.events.append(Event("unload", key, "pinned", 0.0, nbytes))
+            self.events.note(Event("unload", key, "pinned", 0.0, nbytes))
             log.info("%s: its kept part (%d blocks, %.2f GiB) unloaded", e.info.label, blocks, nbytes / 2**30)
             return
         e = self.entries[key]
@@ -212,7 +260,7 @@ class Ledger:
         self._note(Event("unload", key, to, time.perf_counter() - t0, e.info.nbytes), e.info)
 
     def _note(self, ev: Event, info: ModelInfo) -> None:
-        self.events.append(ev)
+        self.events.note(ev)
         onto = "onto the GPU" if self.device.type == "cuda" else f"for the {self.device.type.upper()}"
         what = {"pin": "read from its file into host RAM", "load": f"loaded {onto} from {ev.source}",
                 "unload": "dropped" if ev.source == "drop" else "unloaded (host copy kept)"}[ev.kind]

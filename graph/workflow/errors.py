@@ -4,8 +4,11 @@
     ├── WorkflowError         a workflow file that cannot be read or converted
     ├── ValidationFailed      validation rejected the prompt; carries ComfyUI's whole /prompt response
     ├── NodeExecutionError    a node raised while running; to_dict() is ComfyUI's `execution_error` message
-    ├── InterruptedRun        the user stopped the run
-    └── OutOfPlan             a node used more GPU memory than the plan allowed for it
+    └── InterruptedRun        the user stopped the run
+
+A node whose measured GPU peak passes its plan is no error: the engine reports it (the `vg_estimate_exceeded` event,
+graph/engine/executor.py `estimate_exceeded`) and plans the rest again when the device runs short, so no exception
+stands for it.
 
 The planner's own `PlanError` (graph/plan/planner.py) lives beside the planner, which imports nothing from here.
 """
@@ -15,8 +18,6 @@ from __future__ import annotations
 import traceback as tb
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-GiB = 1 << 30
 
 
 class VramgraphError(Exception):
@@ -167,23 +168,5 @@ class InterruptedRun(VramgraphError):
         self.class_type = class_type
 
 
-class OutOfPlan(VramgraphError):
-    """A node's measured GPU peak exceeded what the plan predicted for it: the estimate is wrong."""
-
-    type = "out_of_plan"
-
-    def __init__(self, node_id: str, class_type: str, predicted: int, measured: int) -> None:
-        super().__init__(
-            f"Node {node_id} ({class_type}) used {measured / GiB:.2f} GiB of GPU memory, more than the "
-            f"{predicted / GiB:.2f} GiB planned",
-            f"the VRAM estimate for {class_type} is too low by {(measured - predicted) / GiB:.2f} GiB; report it "
-            "with the workflow, and meanwhile give a smaller --vram budget to leave more headroom",
-            {"node_id": node_id, "class_type": class_type, "predicted_bytes": predicted, "measured_bytes": measured})
-        self.node_id = node_id
-        self.class_type = class_type
-        self.predicted = predicted
-        self.measured = measured
-
-
-__all__ = ["InterruptedRun", "NodeExecutionError", "OutOfPlan", "ValidationFailed", "VramgraphError",
+__all__ = ["InterruptedRun", "NodeExecutionError", "ValidationFailed", "VramgraphError",
            "WorkflowError"]

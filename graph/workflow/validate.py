@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
 import inspect
 import logging
 import math
@@ -81,12 +80,16 @@ def input_types(cls: type, folders: Any = None) -> dict:
     return fn(folders=folders) if _takes_folders(cls) else fn()
 
 
-@functools.lru_cache(maxsize=1024)
 def _takes_folders(cls: type) -> bool:
-    """Whether `cls.INPUT_TYPES` takes `folders` (once per class: inspect.signature cost a tenth of validating a
-    64-prompt queue)."""
+    """Whether `cls.INPUT_TYPES` takes `folders`: read from its code object's argument names (attribute reads, nothing
+    kept: inspect.signature, asked for every node of every prompt, cost a tenth of validating a 64-prompt queue);
+    inspect.signature only for what has no plain code object (a wrapped or built-in callable)."""
+    fn = cls.INPUT_TYPES
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is not None and not hasattr(fn, "__wrapped__"):
+        return "folders" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     try:
-        return "folders" in inspect.signature(cls.INPUT_TYPES).parameters
+        return "folders" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 

@@ -51,7 +51,7 @@ _SUFFIXES: dict[str, tuple[str, str]] = {
     ".lokr_t2": ("lokr", "t2"),
     ".alpha": ("any", "alpha"), ".dora_scale": ("any", "dora_scale"),
 }
-_ORDER = sorted(_SUFFIXES, key=len, reverse=True)
+_ORDER = tuple(sorted(_SUFFIXES, key=len, reverse=True))  # longest suffix first
 # adapters ComfyUI or LyCORIS know that we do not run: suffix fragment -> name
 _REFUSED = {".oft_blocks": "OFT", ".oft_diag": "OFT", ".oft_R": "OFT", ".boft_": "BOFT", ".a1.weight": "GLoRA",
             ".b1.weight": "GLoRA", ".diff": "a full weight difference", ".diff_b": "a full bias difference",

@@ -16,7 +16,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker, not a keyword: a parameter may be named gpu
             item.add_marker(skip)
 
 
@@ -32,7 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     report = yield
-    if report.skipped and "gpu" not in item.keywords and os.environ.get("VRAMGRAPH_NO_SKIPS") == "1":
+    if report.skipped and item.get_closest_marker("gpu") is None and os.environ.get("VRAMGRAPH_NO_SKIPS") == "1":
         item.config.stash[UNEXPECTED_SKIPS].append(item.nodeid)
     return report
 

@@ -106,6 +106,37 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
+def sync(dev: torch.device) -> None:
+    """Wait for `dev`'s queued work (nothing to wait for on the CPU)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed_on(fn, repeats: int, dev: torch.device) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn`, each waited for on `dev` (the CPU too, unlike `timed`)."""
+    out = []
+    for _ in range(repeats):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def peak_on(fn, dev: torch.device) -> int:
+    """`peak_bytes` of `fn()` on `dev`; 0 on the CPU, where nothing is measured (the call still runs)."""
+    if dev.type != "cuda":
+        fn()
+        return 0
+    sync(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    fn()
+    sync(dev)
+    return torch.cuda.max_memory_allocated(dev) - base
+
+
 def write_report(path: str | os.PathLike, report: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(report, indent=1))

@@ -61,39 +61,6 @@ def convert(src: Path, dst: Path) -> None:
           f"(bf16: {spec.params * 2 / GiB:.3f} GiB)")
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _timed(fn, n: int, dev: torch.device) -> list[float]:
-    out = []
-    for _ in range(n):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _peak(fn, dev: torch.device) -> int:
-    if dev.type != "cuda":
-        fn()
-        return 0
-    _sync(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
-    fn()
-    _sync(dev)
-    return torch.cuda.max_memory_allocated(dev) - base
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", nargs="?")
@@ -108,7 +75,7 @@ def main() -> None:
         return
     if not a.out:
         sys.exit("usage: bench/fp8.py OUT.json | --convert IN OUT")
-    from _common import env, write_report
+    from _common import env, peak_on, rel_l2, timed_on, write_report
     from vramgraph.models.tiny import TINY_TRANSFORMER
 
     dev = torch.device("cpu" if a.tiny else "cuda")
@@ -143,9 +110,9 @@ def main() -> None:
     report: dict = {"env": env(), "side": side, "tokens": h * w + 512, "steps_timed": a.steps, "modes": {}}
     step(model)
     bf16_weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    times = _timed(partial(step, model), a.steps, dev)
+    times = timed_on(partial(step, model), a.steps, dev)
     report["modes"]["bf16"] = {"step_s": statistics.median(times), "steps_s": times, "weights_bytes": bf16_weights,
-                               "activation_peak_bytes": _peak(partial(step, model), dev), "rel_l2_vs_bf16": 0.0}
+                               "activation_peak_bytes": peak_on(partial(step, model), dev), "rel_l2_vs_bf16": 0.0}
     folder = a.keep.parent if a.keep else Path(tempfile.mkdtemp(prefix="vg-fp8-"))
     path = a.keep or folder / "flux-2-klein-4b-fp8.safetensors"
     t0 = time.perf_counter()
@@ -176,11 +143,11 @@ def main() -> None:
                     mod.input_scale.fill_(force_scale)
         y = step(m8).float()
         outs[name] = y
-        times = _timed(lambda: step(m8), a.steps, dev)
+        times = timed_on(lambda: step(m8), a.steps, dev)
         report["modes"][name] = {"step_s": statistics.median(times), "steps_s": times, "weights_bytes": weights,
-                                 "activation_peak_bytes": _peak(lambda: step(m8), dev),
-                                 "rel_l2_vs_bf16": _rel(y, ref)}
-    report["rel_l2_scaled_mm_vs_dequant"] = _rel(outs["fp8_scaled_mm"], outs["fp8_dequant"])
+                                 "activation_peak_bytes": peak_on(lambda: step(m8), dev),
+                                 "rel_l2_vs_bf16": rel_l2(y, ref)}
+    report["rel_l2_scaled_mm_vs_dequant"] = rel_l2(outs["fp8_scaled_mm"], outs["fp8_dequant"])
     bf = report["modes"]["bf16"]
     for r in report["modes"].values():
         r["step_vs_bf16"] = r["step_s"] / bf["step_s"]

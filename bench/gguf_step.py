@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _common import peak_on, rel_l2, timed_on
 from vramgraph.models import flux2, flux2_config, loading, qwen3_config
 from vramgraph.models.gguf_layers import GGUFEmbedding, GGUFLinear
 from vramgraph.models.gguf_write import write_random_gguf
@@ -72,39 +73,6 @@ def dequantized_copy(model: torch.nn.Module, build: Callable[[], torch.nn.Module
     return plain.eval().requires_grad_(False)
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _timed(fn, n: int, dev: torch.device) -> list[float]:
-    out = []
-    for _ in range(n):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _peak(fn, dev: torch.device) -> int:
-    if dev.type != "cuda":
-        fn()
-        return 0
-    _sync(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
-    fn()
-    _sync(dev)
-    return torch.cuda.max_memory_allocated(dev) - base
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def _weights(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
@@ -115,12 +83,12 @@ def _compare(quant: torch.nn.Module, plain: torch.nn.Module, step, steps: int, d
     ys = {}
     for name, m in (("bf16", plain), ("gguf", quant)):
         ys[name] = step(m).float()
-        times = _timed(lambda m=m: step(m), steps, dev)
+        times = timed_on(lambda m=m: step(m), steps, dev)
         out[name] = {"step_s": statistics.median(times), "steps_s": times, "weights_bytes": _weights(m),
-                     "activation_peak_bytes": _peak(lambda m=m: step(m), dev)}
+                     "activation_peak_bytes": peak_on(lambda m=m: step(m), dev)}
     out["step_overhead_vs_bf16"] = out["gguf"]["step_s"] / out["bf16"]["step_s"]
     out["weights_vs_bf16"] = out["gguf"]["weights_bytes"] / out["bf16"]["weights_bytes"]
-    out["rel_l2_gguf_vs_bf16"] = _rel(ys["gguf"], ys["bf16"])
+    out["rel_l2_gguf_vs_bf16"] = rel_l2(ys["gguf"], ys["bf16"])
     return out
 
 

@@ -16,6 +16,15 @@ from typing import TYPE_CHECKING, Any
 from . import estimates
 from .catalog import header_refusal
 from .comfy import context as comfy_context
+from .declared import (
+    CLIP_TYPES,
+    COMFY_SAMPLERS,
+    KSAMPLER_TIPS,
+    PIXEL_SPACE,
+    RUN_CLIP_TYPES,
+    refusal,
+    tip,
+)
 from .files import file_list, fingerprint
 from .types import (
     BOOLEAN,
@@ -50,7 +59,8 @@ if TYPE_CHECKING:
 MAX_RESOLUTION = 16384
 SEED_MAX = 0xFFFF_FFFF_FFFF_FFFF
 TEXT_TOKENS = 512
-# ComfyUI's samplers and schedulers that we run (models/samplers.py, models/schedules.py), in ComfyUI's order.
+# ComfyUI's samplers and schedulers that we run (models/samplers.py, models/schedules.py), in ComfyUI's order; the
+# sampler combos list all of ComfyUI's (declared.COMFY_SAMPLERS) and refuse the others at validation.
 SAMPLERS = ["euler", "euler_ancestral", "heun", "dpmpp_sde", "dpmpp_2m", "dpmpp_2m_sde", "lcm"]
 SCHEDULERS = ["simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal", "linear_quadratic",
               "kl_optimal"]
@@ -91,7 +101,7 @@ def _size(**kw: Any) -> tuple[str, dict]:
 
 
 class UNETLoader:
-    CATEGORY = "advanced/loaders"
+    CATEGORY = "model/loaders"
     RETURN_TYPES = (MODEL,)
     FUNCTION = "load_unet"
 
@@ -144,8 +154,10 @@ class FluxKVCache:
     modulates the references at t=0, caches their keys and values on the first step and samples every later step on
     the target tokens alone (models.flux2.RefKV). Without references it changes nothing."""
 
-    CATEGORY = ""
+    CATEGORY = "experimental"
+    EXPERIMENTAL = True
     RETURN_TYPES = (MODEL,)
+    OUTPUT_TOOLTIPS = ("The patched model with KV Cache enabled.",)
     FUNCTION = "execute"
 
     @classmethod
@@ -161,18 +173,19 @@ class FluxKVCache:
 
 
 class CLIPLoader:
-    CATEGORY = "advanced/loaders"
+    CATEGORY = "model/loaders"
     RETURN_TYPES = (CLIP,)
     FUNCTION = "load_clip"
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {"clip_name": (file_list(folders, "text_encoders"),), "type": (["flux2"],)},
+        return {"required": {"clip_name": (file_list(folders, "text_encoders"),), "type": (list(CLIP_TYPES),)},
                 "optional": {"device": (CLIP_DEVICES, {"advanced": True})}, "hidden": HIDDEN}
 
     @classmethod
-    def VALIDATE_INPUTS(cls, clip_name: str = "", folders: Any = None) -> bool | str:
-        return file_check(folders, "text_encoders", clip_name)
+    def VALIDATE_INPUTS(cls, clip_name: str = "", type: str = "flux2", folders: Any = None
+                        ) -> bool | dict[str, str]:
+        return clip_check(folders, clip_name, type)
 
     @classmethod
     def vg_estimate(cls, env: Any, clip_name: str, type: str = "flux2", device: str = "default") -> Cost:
@@ -188,6 +201,15 @@ class CLIPLoader:
         return (ModelHandle(clip_placed(info, device), vg.tokenizer_for(info)),)
 
 
+def clip_check(folders: Any, clip_name: str, type: str) -> bool | dict[str, str]:
+    """CLIPLoader's (and CLIPLoaderGGUF's) VALIDATE_INPUTS: ComfyUI's every `type` is listed, only flux2 runs."""
+    refused = refusal("type", type, RUN_CLIP_TYPES, "it runs FLUX.2 [klein]'s Qwen3 text encoder only")
+    if refused:
+        return {"type": refused}
+    found = file_check(folders, "text_encoders", clip_name)
+    return True if found is True else {"clip_name": found}
+
+
 def clip_placed(info: ModelInfo, device: str) -> ModelInfo:
     """The text encoder's info with CLIPLoader's `device`: "cpu" keeps it off the GPU (its encodes run on the
     CPU and plan no GPU memory for it, as ComfyUI's load_device=cpu); "default" lets the planner place it."""
@@ -197,16 +219,19 @@ def clip_placed(info: ModelInfo, device: str) -> ModelInfo:
 
 
 class VAELoader:
-    CATEGORY = "loaders"
+    CATEGORY = "model/loaders"
     RETURN_TYPES = (VAE,)
     FUNCTION = "load_vae"
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {"vae_name": (file_list(folders, "vae"),)}, "hidden": HIDDEN}
+        return {"required": {"vae_name": ([*file_list(folders, "vae"), PIXEL_SPACE],)}, "hidden": HIDDEN}
 
     @classmethod
     def VALIDATE_INPUTS(cls, vae_name: str = "", folders: Any = None) -> bool | str:
+        if vae_name == PIXEL_SPACE:
+            return (f"'{PIXEL_SPACE}' (ComfyUI's VAE for pixel-space models) is not run by vramgraph: FLUX.2 [klein] "
+                    "needs its VAE; choose a VAE file from the vae folder")
         return file_check(folders, "vae", vae_name)
 
     @classmethod
@@ -223,13 +248,16 @@ class VAELoader:
 
 
 class CLIPTextEncode:
-    CATEGORY = "conditioning"
+    CATEGORY = "model/conditioning"
     RETURN_TYPES = (CONDITIONING,)
+    OUTPUT_TOOLTIPS = ("A conditioning containing the embedded text used to guide the diffusion model.",)
     FUNCTION = "encode"
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {"text": (STRING, {"multiline": True, "dynamicPrompts": True}), "clip": (CLIP,)},
+        return {"required": {"text": (STRING, {"multiline": True, "dynamicPrompts": True,
+                                               "tooltip": "The text to be encoded."}),
+                             "clip": (CLIP, {"tooltip": "The CLIP model used for encoding the text."})},
                 "hidden": HIDDEN}
 
     @classmethod
@@ -269,7 +297,7 @@ def _context_dim(clip: ModelInfo) -> int:
 
 
 class ConditioningZeroOut:
-    CATEGORY = "advanced/conditioning"
+    CATEGORY = "model/conditioning/transform"
     RETURN_TYPES = (CONDITIONING,)
     FUNCTION = "zero_out"
 
@@ -288,7 +316,7 @@ class ConditioningZeroOut:
 
 
 class ReferenceLatent:
-    CATEGORY = "advanced/conditioning/edit_models"
+    CATEGORY = "model/conditioning"
     RETURN_TYPES = (CONDITIONING,)
     FUNCTION = "append"
 
@@ -312,7 +340,7 @@ class ReferenceLatent:
 
 
 class CFGGuider:
-    CATEGORY = "sampling/custom_sampling/guiders"
+    CATEGORY = "model/sampling/guiders"
     RETURN_TYPES = (GUIDER,)
     FUNCTION = "get_guider"
 
@@ -331,18 +359,23 @@ class CFGGuider:
 
 
 class KSamplerSelect:
-    CATEGORY = "sampling/custom_sampling/samplers"
+    CATEGORY = "model/sampling/samplers"
     RETURN_TYPES = (SAMPLER,)
     FUNCTION = "get_sampler"
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {"sampler_name": (SAMPLERS,)}}
+        return {"required": {"sampler_name": (list(COMFY_SAMPLERS),)}}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, sampler_name: str = "euler") -> bool | dict[str, str]:
+        refused = sampler_refusal(sampler_name)
+        return {"sampler_name": refused} if refused else True
 
     @classmethod
     def vg_estimate(cls, env: Any, sampler_name: str) -> Cost:
-        if sampler_name not in SAMPLERS:
-            raise ValueError(f"sampler '{sampler_name}' is not one of {', '.join(SAMPLERS)}")
+        if sampler_refusal(sampler_name):
+            raise ValueError(sampler_refusal(sampler_name))
         return Cost((sampler_name,))
 
     def get_sampler(self, sampler_name: str) -> tuple:
@@ -350,7 +383,7 @@ class KSamplerSelect:
 
 
 class Flux2Scheduler:
-    CATEGORY = "sampling/custom_sampling/schedulers"
+    CATEGORY = "model/sampling/schedulers"
     RETURN_TYPES = (SIGMAS,)
     FUNCTION = "get_sigmas"
 
@@ -373,6 +406,11 @@ class Flux2Scheduler:
         return (torch.tensor(flux2_sigmas(steps, seq_len), dtype=torch.float32),)
 
 
+def sampler_refusal(sampler_name: str) -> str | None:
+    """Why a sampler ComfyUI lists is refused here (None: we run it)."""
+    return refusal("sampler_name", sampler_name, SAMPLERS, "its samplers are models/samplers.py's")
+
+
 def scheduled_sigmas(scheduler: str, steps: int, denoise: float) -> torch.Tensor:
     """ComfyUI's sigmas of `scheduler` for a FLUX.2 model (shift 2.02), as its KSampler and BasicScheduler cut
     them for `denoise` < 1: the last steps + 1 of the schedule for int(steps / denoise) steps."""
@@ -390,7 +428,7 @@ def scheduled_sigmas(scheduler: str, steps: int, denoise: float) -> torch.Tensor
 class BasicScheduler:
     """ComfyUI's BasicScheduler: the model's sigma schedule (every FLUX.2 model: shift 2.02, models/schedules.py)."""
 
-    CATEGORY = "sampling/custom_sampling/schedulers"
+    CATEGORY = "model/sampling/schedulers"
     RETURN_TYPES = (SIGMAS,)
     FUNCTION = "get_sigmas"
 
@@ -418,7 +456,7 @@ def _check_schedule(scheduler: str, steps: int, denoise: float) -> None:
 
 
 class RandomNoise:
-    CATEGORY = "sampling/custom_sampling/noise"
+    CATEGORY = "model/sampling/noise"
     RETURN_TYPES = (NOISE,)
     FUNCTION = "get_noise"
 
@@ -436,7 +474,7 @@ class RandomNoise:
 
 
 class EmptyFlux2LatentImage:
-    CATEGORY = "latent"
+    CATEGORY = "model/latent/flux"
     RETURN_TYPES = (LATENT,)
     FUNCTION = "generate"
 
@@ -518,7 +556,7 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
 
 
 class SamplerCustomAdvanced:
-    CATEGORY = "sampling/custom_sampling"
+    CATEGORY = "model/sampling/custom"
     RETURN_TYPES = (LATENT, LATENT)
     RETURN_NAMES = ("output", "denoised_output")
     FUNCTION = "sample"
@@ -545,27 +583,33 @@ class KSampler:
     """ComfyUI's KSampler: its scheduler's sigmas for a FLUX.2 model (shift 2.02, not Flux2Scheduler's
     resolution-dependent schedule), its sampler, the seed's noise."""
 
-    CATEGORY = "sampling"
+    CATEGORY = "model/sampling"
     RETURN_TYPES = (LATENT,)
+    OUTPUT_TOOLTIPS = ("The denoised latent.",)
     FUNCTION = "sample"
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {
-            "model": (MODEL,),
+        types = {
+            "model": (MODEL, {}),
             "seed": (INT, {"default": 0, "min": 0, "max": SEED_MAX, "control_after_generate": True}),
             "steps": (INT, {"default": 20, "min": 1, "max": 10000}),
             "cfg": (FLOAT, {"default": 8.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}),
-            "sampler_name": (SAMPLERS,), "scheduler": (SCHEDULERS,),
-            "positive": (CONDITIONING,), "negative": (CONDITIONING,), "latent_image": (LATENT,),
-            "denoise": (FLOAT, {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01})}, "hidden": HIDDEN}
+            "sampler_name": (list(COMFY_SAMPLERS), {}), "scheduler": (SCHEDULERS, {}),
+            "positive": (CONDITIONING, {}), "negative": (CONDITIONING, {}), "latent_image": (LATENT, {}),
+            "denoise": (FLOAT, {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01})}
+        return {"required": {k: (t, tip(o, KSAMPLER_TIPS[k])) for k, (t, o) in types.items()}, "hidden": HIDDEN}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, sampler_name: str = "euler") -> bool | dict[str, str]:
+        return KSamplerSelect.VALIDATE_INPUTS(sampler_name)
 
     @classmethod
     def vg_estimate(cls, env: Any, model: ModelInfo, seed: int, steps: int, cfg: float, sampler_name: str,
                     scheduler: str, positive: CondInfo, negative: CondInfo, latent_image: LatentInfo,
                     denoise: float = 1.0) -> Cost:
-        if sampler_name not in SAMPLERS:
-            raise ValueError(f"sampler '{sampler_name}' is not one of {', '.join(SAMPLERS)}")
+        if sampler_refusal(sampler_name):
+            raise ValueError(sampler_refusal(sampler_name))
         _check_schedule(scheduler, steps, denoise)
         return _sampling_cost(model, positive, negative, cfg, latent_image, model_calls(sampler_name, steps),
                               (latent_image,))
@@ -580,13 +624,16 @@ class KSampler:
 
 
 class VAEDecode:
-    CATEGORY = "latent"
+    CATEGORY = "model/latent"
     RETURN_TYPES = (IMAGE,)
+    OUTPUT_TOOLTIPS = ("The decoded image.",)
     FUNCTION = "decode"
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {"samples": (LATENT,), "vae": (VAE,)}, "hidden": HIDDEN}
+        return {"required": {"samples": (LATENT, {"tooltip": "The latent to be decoded."}),
+                             "vae": (VAE, {"tooltip": "The VAE model used for decoding the latent."})},
+                "hidden": HIDDEN}
 
     @classmethod
     def vg_estimate(cls, env: Any, samples: LatentInfo, vae: ModelInfo) -> Cost:
@@ -605,7 +652,7 @@ def image_bytes(image: ImageInfo) -> int:
 
 
 class VAEEncode:
-    CATEGORY = "latent"
+    CATEGORY = "model/latent"
     RETURN_TYPES = (LATENT,)
     FUNCTION = "encode"
 
@@ -706,7 +753,7 @@ def _primitive(name: str, io: str, options: dict) -> type:
     def estimate(cls: type, env: Any, value: Any) -> Cost:
         return Cost((value,))
 
-    return type(name, (), {"CATEGORY": "utils/primitive", "RETURN_TYPES": (io,), "FUNCTION": "run", "run": run,
+    return type(name, (), {"CATEGORY": "utilities/primitive", "RETURN_TYPES": (io,), "FUNCTION": "run", "run": run,
                            "INPUT_TYPES": classmethod(inputs), "vg_estimate": classmethod(estimate),
                            "__doc__": f"ComfyUI's {name}: outputs its value."})
 

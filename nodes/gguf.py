@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from .comfy import context as comfy_context
-from .core import HIDDEN, clip_placed, file_changed, file_check
+from .core import HIDDEN, clip_check, clip_placed, file_changed, file_check
+from .declared import CLIP_TYPES
 from .files import file_list
 from .types import CLIP, MODEL, Cost
 from .values import ModelHandle
@@ -86,12 +87,13 @@ class CLIPLoaderGGUF:
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {"clip_name": (file_list(folders, "text_encoders"),), "type": (["flux2"],)},
-                "hidden": HIDDEN}
+        return {"required": {"clip_name": (file_list(folders, "text_encoders"),), "type": (list(CLIP_TYPES),)},
+                "hidden": HIDDEN}  # the pack lists CLIPLoader's `type`
 
     @classmethod
-    def VALIDATE_INPUTS(cls, clip_name: str = "", folders: Any = None) -> bool | str:
-        return file_check(folders, "text_encoders", clip_name)
+    def VALIDATE_INPUTS(cls, clip_name: str = "", type: str = "flux2", folders: Any = None
+                        ) -> bool | dict[str, str]:
+        return clip_check(folders, clip_name, type)
 
     @classmethod
     def vg_estimate(cls, env: Any, clip_name: str, type: str = "flux2") -> Cost:

@@ -28,6 +28,7 @@ from typing import Any
 
 from .comfy import context as comfy_context
 from .core import file_changed, file_check
+from .declared import LORA_TIPS, tip
 from .files import file_list, identity
 from .types import CLIP, FLOAT, MODEL, VG_CLIP, VG_MODEL, Cost, LoraRef, ModelInfo, Variant
 from .values import ModelHandle
@@ -286,8 +287,9 @@ class LoraLoaderModelOnly:
     """ComfyUI's LoraLoaderModelOnly: a LoRA's transformer part applied to the model (its text encoder part, if any,
     is left aside, as ComfyUI does). Chain as many as you like; strength 0 turns one off."""
 
-    CATEGORY = "loaders"
+    CATEGORY = "model/loaders"
     RETURN_TYPES = (MODEL,)
+    OUTPUT_TOOLTIPS = ("The modified diffusion model.",)
     FUNCTION = "load_lora_model_only"
     VG_SIGNS_OUTPUTS = True
     model_type = MODEL
@@ -352,14 +354,16 @@ class LoraLoader(LoraLoaderModelOnly):
     """ComfyUI's LoraLoader: a LoRA applied to the model and to the text encoder (CLIP), each at its own strength."""
 
     RETURN_TYPES = (MODEL, CLIP)
+    OUTPUT_TOOLTIPS = ("The modified diffusion model.", "The modified CLIP model.")
     FUNCTION = "load_lora"
     clip_type = CLIP
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {"model": (cls.model_type,), "clip": (cls.clip_type,),
-                             "lora_name": (file_list(folders, FOLDER),), "strength_model": STRENGTH,
-                             "strength_clip": STRENGTH}, "hidden": {"vg": "VG_CONTEXT"}}
+        types = {"model": (cls.model_type, {}), "clip": (cls.clip_type, {}),
+                 "lora_name": (file_list(folders, FOLDER), {}), "strength_model": STRENGTH, "strength_clip": STRENGTH}
+        return {"required": {k: (t, tip(o, LORA_TIPS[k])) for k, (t, o) in types.items()},
+                "hidden": {"vg": "VG_CONTEXT"}}
 
     @classmethod
     def VALIDATE_INPUTS(cls, lora_name: str = "", strength_model: Any = 1.0, strength_clip: Any = 1.0,

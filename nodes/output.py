@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .comfy import context as comfy_context
+from .declared import SAVE_PREFIX_TIP
 from .types import IMAGE, STRING, Cost
 
 if TYPE_CHECKING:
@@ -92,30 +93,38 @@ def save_images(images: torch.Tensor, root: Path, prefix: str, kind: str, prompt
 
 
 class SaveImage:
+    """ComfyUI's SaveImage: PNGs in the output folder, and (as ComfyUI 0.29) the images passed on unchanged."""
+
     CATEGORY = "image"
-    RETURN_TYPES = ()
+    DESCRIPTION = "Saves the input images to your ComfyUI output directory."
+    RETURN_TYPES = (IMAGE,)
+    RETURN_NAMES = ("images",)
     FUNCTION = "save_images"
     OUTPUT_NODE = True
     KIND = "output"
 
     @classmethod
     def INPUT_TYPES(cls, folders: Any = None) -> dict:
-        return {"required": {"images": (IMAGE,), "filename_prefix": (STRING, {"default": "ComfyUI"})},
+        return {"required": {"images": (IMAGE, {"tooltip": "The images to save."}),
+                             "filename_prefix": (STRING, {"default": "ComfyUI", "tooltip": SAVE_PREFIX_TIP})},
                 "hidden": HIDDEN}
 
     @classmethod
     def vg_estimate(cls, env: Any, images: Any, filename_prefix: str = "ComfyUI") -> Cost:
-        return Cost(())
+        return Cost((images,))
 
     def save_images(self, images: torch.Tensor, filename_prefix: str = "ComfyUI", prompt: Any = None,
                     extra_pnginfo: dict | None = None, vg: Any = None) -> dict:
         vg = vg or comfy_context(self)
         root = vg.output_dir if self.KIND == "output" else vg.temp_dir
         results = save_images(images, root, filename_prefix, self.KIND, prompt, extra_pnginfo, vg.seed)
-        return {"ui": {"images": results}}
+        return {"ui": {"images": results}, "result": (images,)}
 
 
 class PreviewImage(SaveImage):
+    """ComfyUI's PreviewImage: PNGs in the temp folder, shown on the node; the images passed on unchanged."""
+
+    DESCRIPTION = "Preview the images without saving them to the ComfyUI output directory."
     KIND = "temp"
 
     def __init__(self) -> None:
@@ -127,7 +136,7 @@ class PreviewImage(SaveImage):
 
     @classmethod
     def vg_estimate(cls, env: Any, images: Any) -> Cost:
-        return Cost(())
+        return Cost((images,))
 
     def save_images(self, images: torch.Tensor, filename_prefix: str = "ComfyUI", prompt: Any = None,
                     extra_pnginfo: dict | None = None, vg: Any = None) -> dict:

@@ -30,18 +30,24 @@ def node_info(name: str, cls: type, folders: Any = None, display_names: Mapping[
     """ComfyUI's /object_info entry for one node class."""
     types = input_types(cls, folders)
     out = list(cls.RETURN_TYPES)
-    return {"input": types, "input_order": {k: list(v) for k, v in types.items()}, "output": out,
+    info = {"input": types, "input_order": {k: list(v) for k, v in types.items()}, "output": out,
             "output_is_list": list(getattr(cls, "OUTPUT_IS_LIST", [False] * len(out))),
             "output_name": list(getattr(cls, "RETURN_NAMES", out)), "name": name,
             "display_name": (display_names or {}).get(name, name),
             "description": (getattr(cls, "DESCRIPTION", "") or "").strip(), "python_module": module,
             "category": getattr(cls, "CATEGORY", "sd"), "output_node": getattr(cls, "OUTPUT_NODE", False) is True}
+    if hasattr(cls, "OUTPUT_TOOLTIPS"):
+        info["output_tooltips"] = list(cls.OUTPUT_TOOLTIPS)
+    if getattr(cls, "EXPERIMENTAL", False):
+        info["experimental"] = True
+    return info
 
 
 def object_info(nodes: Mapping[str, type], folders: Any = None) -> dict:
     from ..nodes import VG_DISPLAY_NAMES, VG_NODES
+    from ..nodes.declared import DISPLAY_NAMES
 
-    return {name: node_info(name, cls, folders, VG_DISPLAY_NAMES,
+    return {name: node_info(name, cls, folders, DISPLAY_NAMES | VG_DISPLAY_NAMES,
                             "custom_nodes.vramgraph" if name in VG_NODES else "nodes")
             for name, cls in nodes.items()}
 

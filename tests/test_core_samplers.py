@@ -16,6 +16,7 @@ from vramgraph.graph.workflow.errors import NodeExecutionError, ValidationFailed
 from vramgraph.models import samplers, schedules
 from vramgraph.nodes import ENGINE_NODES
 from vramgraph.nodes.core import SAMPLERS, SCHEDULERS, WEIGHT_DTYPES, scheduled_sigmas
+from vramgraph.nodes.declared import COMFY_SAMPLERS
 from vramgraph.nodes.files import Folders
 
 SIZE = 32
@@ -62,8 +63,9 @@ def run(folders: Folders | Engine, g: dict) -> np.ndarray:
 
 def test_choices_are_comfyuis():
     types = {name: ENGINE_NODES[name].INPUT_TYPES() for name in ("KSamplerSelect", "KSampler", "BasicScheduler")}
-    assert types["KSamplerSelect"]["required"]["sampler_name"][0] == SAMPLERS
-    assert types["KSampler"]["required"]["sampler_name"][0] == SAMPLERS
+    assert types["KSamplerSelect"]["required"]["sampler_name"][0] == list(COMFY_SAMPLERS)  # all of ComfyUI's
+    assert types["KSampler"]["required"]["sampler_name"][0] == list(COMFY_SAMPLERS)
+    assert [s for s in COMFY_SAMPLERS if s in SAMPLERS] == list(SAMPLERS)  # ours, in ComfyUI's order
     assert types["KSampler"]["required"]["scheduler"][0] == SCHEDULERS
     assert types["BasicScheduler"]["required"]["scheduler"][0] == SCHEDULERS
     for name in ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_sde", "lcm"):
@@ -90,8 +92,13 @@ def test_every_pair_validates_and_plans(folders: Folders):
 def test_unknown_choices_are_refused_before_running(folders: Folders):
     engine = Engine(folders, device="cpu")
     with pytest.raises(ValidationFailed) as e:
-        engine.prepare(core("dpm_fast"))
+        engine.prepare(core("no_such_sampler"))
     assert e.value.response["node_errors"]["7"]["errors"][0]["type"] == "value_not_in_list"
+    with pytest.raises(ValidationFailed) as e:  # one ComfyUI lists and we do not run: refused, with what we run
+        engine.prepare(core("dpm_fast"))
+    (err,) = e.value.response["node_errors"]["7"]["errors"]
+    assert err["type"] == "custom_validation_failed" and err["extra_info"]["input_name"] == "sampler_name"
+    assert "sampler_name 'dpm_fast' is not run by vramgraph" in err["details"] and "euler, " in err["details"]
     with pytest.raises(NodeExecutionError, match=r"kl_optimal.*at least 2 steps"):
         engine.prepare(ksampler("euler", "kl_optimal", steps=1))
 

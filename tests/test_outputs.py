@@ -34,9 +34,11 @@ def test_save_image_names_counts_and_chunks_as_comfyui(vg):
         (out / name).write_bytes(b"")
     # counted: _00007_ (any extension), _00003_, _00009 (nothing after); not: 00011.png (no "_" after the digits),
     # another prefix's files
-    ui = SaveImage().save_images(_images(), "ComfyUI", prompt=PROMPT, extra_pnginfo={"workflow": WORKFLOW}, vg=vg)
-    assert ui == {"ui": {"images": [{"filename": "ComfyUI_00010_.png", "subfolder": "", "type": "output"},
-                                    {"filename": "ComfyUI_00011_.png", "subfolder": "", "type": "output"}]}}
+    images = _images()
+    got = SaveImage().save_images(images, "ComfyUI", prompt=PROMPT, extra_pnginfo={"workflow": WORKFLOW}, vg=vg)
+    assert got["ui"] == {"images": [{"filename": "ComfyUI_00010_.png", "subfolder": "", "type": "output"},
+                                    {"filename": "ComfyUI_00011_.png", "subfolder": "", "type": "output"}]}
+    assert set(got) == {"ui", "result"} and got["result"][0] is images  # passed on, as ComfyUI 0.29's SaveImage
     im = Image.open(out / "ComfyUI_00010_.png")
     assert im.size == (20, 12)
     assert list(im.text)[:2] == ["prompt", "workflow"]  # ComfyUI's order: the prompt, then extra_pnginfo's keys

@@ -155,7 +155,7 @@ CASES = [  # (file, node blamed, error type, top-level error type)
     ("width_too_big", "10", "value_bigger_than_max", FAILED),  # 20000 > 16384
     ("batch_too_big", "10", "value_bigger_than_max", FAILED),
     ("unet_not_in_list", "1", "value_not_in_list", FAILED),  # a file not in models/diffusion_models
-    ("sampler_not_in_list", "7", "value_not_in_list", FAILED),  # dpmpp_3m_sde: ComfyUI has it, we do not
+    ("sampler_not_in_list", "7", "custom_validation_failed", FAILED),  # dpmpp_3m_sde: ComfyUI lists it, we refuse it
     ("clip_type_not_in_list", "2", "value_not_in_list", FAILED),  # type "flux", not "flux2"
     ("self_cycle", "5", "dependency_cycle", FAILED),  # ConditioningZeroOut fed by itself
     ("two_node_cycle", "5", "dependency_cycle", FAILED),  # 5 -> 14 ReferenceLatent -> 5

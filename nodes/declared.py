@@ -37,7 +37,10 @@ DISPLAY_NAMES: dict[str, str] = {
     "PrimitiveInt": "Int", "PrimitiveFloat": "Float", "PrimitiveBoolean": "Boolean", "PrimitiveString": "Text",
     "PrimitiveStringMultiline": "Text (Multiline)", "FluxKVCache": "Flux KV Cache", "SaveImage": "Save Image",
     "PreviewImage": "Preview Image", "LoraLoader": "Load LoRA (Model and CLIP)", "LoraLoaderModelOnly": "Load LoRA",
-    "KSampler": "KSampler"}
+    "KSampler": "KSampler",
+    # ComfyUI-GGUF's (its classes' TITLE)
+    "UnetLoaderGGUF": "Unet Loader (GGUF)", "UnetLoaderGGUFAdvanced": "Unet Loader (GGUF/Advanced)",
+    "CLIPLoaderGGUF": "CLIPLoader (GGUF)"}
 
 KSAMPLER_TIPS: dict[str, str] = {
     "model": "The model used for denoising the input latent.",

@@ -32,9 +32,13 @@ def folders(tiny_models: Path, input_dir: Path, tmp_path: Path) -> Folders:
     return Folders(models=(tiny_models,), input=input_dir, output=tmp_path / "output", temp=tmp_path / "temp")
 
 
-def test_every_core_type_is_in_the_snapshot():
-    """Each ComfyUI core type we run is compared (the GGUF pack's are not ComfyUI's)."""
+def test_every_core_type_is_in_the_snapshot(ours: dict):
+    """Each ComfyUI core type we run is compared; the GGUF pack's loaders are as ComfyUI-GGUF lists them."""
     assert set(CORE_NODES) - set(gguf.NODES) == set(SNAPSHOT)
+    assert {ours[n]["display_name"] for n in gguf.NODES} == {"Unet Loader (GGUF)", "Unet Loader (GGUF/Advanced)",
+                                                            "CLIPLoader (GGUF)"}
+    assert {ours[n]["category"] for n in gguf.NODES} == {"bootleg"}
+    assert ours["CLIPLoaderGGUF"]["input"]["required"]["type"][0] == SNAPSHOT["CLIPLoader"]["combos"]["type"]
 
 
 @pytest.mark.parametrize("name", sorted(SNAPSHOT))

@@ -132,8 +132,9 @@ class Compat:
         running, pending = self.queue.current()
         for status, items in (("in_progress", running), ("pending", pending)):
             for item in items:
-                if item[1] == pid:
-                    job = {**formats.queued_job(item, status), "workflow": {"prompt": item[2], "extra_data": item[3]}}
+                if item.prompt_id == pid:
+                    job = {**formats.queued_job(item, status), "workflow": {"prompt": item.prompt,
+                                                                            "extra_data": item.extra_data}}
                     return web.json_response(job, dumps=_dumps)
         return web.json_response({"error": "Job not found"}, status=404)
 

@@ -119,7 +119,7 @@ class Translation:
     def finish(self, m: Member) -> None:
         """A batch member whose nodes have all run ends now."""
         self.send(m, "execution_success", msg.success(m.pid), keep=True)
-        self.worker._end(m, msg.entry(m.item, m.ui, True, m.messages, self.report(m)))
+        self.worker.end(m, msg.entry(m.item, m.ui, True, m.messages, self.report(m)))
 
     def interrupted(self, m: Member, node: str | None) -> None:
         """Member `m` stopped at the run's node `node`: a batch's ends now, a lone prompt's when the run returns."""
@@ -128,7 +128,7 @@ class Translation:
             return
         self.send(m, "execution_interrupted", msg.interrupted(m.pid, m.stop_node, m.node_type(m.stop_node), m.ran),
                   keep=True)
-        self.worker._end(m, msg.entry(m.item, m.ui, False, m.messages,
+        self.worker.end(m, msg.entry(m.item, m.ui, False, m.messages,
                                       {"plan": self.plan_json, "executed": list(m.ran), **self.about(m)}))
 
     def running(self, node: str | None) -> list[tuple[Member, str]]:
@@ -151,7 +151,7 @@ class Translation:
                            prompt=prep.prompt)
         timeline = timeline_data(prep.plan)
         for sid, first in clients(self.members).items():  # each client hears of its own prompts only
-            body = {"prompt_id": first.pid, "plan": self.plan_json, "timeline": timeline, "svg": svg}
+            body: dict[str, Any] = {"prompt_id": first.pid, "plan": self.plan_json, "timeline": timeline, "svg": svg}
             if self.early:
                 body = {"prompt_id": first.pid, "prompt_ids": self.own(sid), "batch": self.batch_id,
                         "members": {m.pid: m.rename for m in self.members if m.sid == sid}, **body}
@@ -179,8 +179,7 @@ class Translation:
             self._follow(m, orig)
             self.send(m, "executing", msg.executing(m.pid, orig))
             self.send(m, "progress_state", m.progress.start(orig))
-        with self.worker._lock:
-            self.worker._now = next((m.pid for m, _ in self.running(node)), self.worker._now)
+        self.worker.running_now(next((m.pid for m, _ in self.running(node)), None))
 
     def _progress(self, data: dict) -> None:
         for m, orig in self.running(data.get("node")):

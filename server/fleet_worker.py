@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import contextlib
 import copy
-import heapq
 import json
 import logging
 import threading
@@ -45,7 +44,7 @@ from .fleet_files import can_run, held_files, write_handshake
 from .hub import PREVIEW_IMAGE
 from .ids import BadId, NotOurs, check_prompt_id, claim, unsafe_prefix
 from .messages import QueueItem
-from .queue import MAX_BATCH, Item, PromptQueue, Worker, _Pending
+from .queue import MAX_BATCH, Item, PromptQueue, Worker
 from .signing import Signer, redact
 
 log = logging.getLogger("vramgraph.worker")
@@ -114,13 +113,6 @@ class FleetQueue(PromptQueue):
     def __init__(self, fleet: FleetWorker) -> None:
         super().__init__(max_history=64)
         self.fleet = fleet
-
-    def put_many(self, items: list[Item]) -> None:
-        """Queue a batch at once, so the Worker thread takes it whole (queue.py batches what is pending)."""
-        with self._cond:
-            for item in items:
-                heapq.heappush(self._pending, _Pending(item.number, next(self._seq), item))
-            self._cond.notify_all()
 
     def done(self, prompt_id: str, entry: dict) -> None:
         super().done(prompt_id, entry)

@@ -2,8 +2,8 @@
 
 `PromptQueue` is ComfyUI's queue (pending items ordered by number, the running one, the history);
 `Hub` holds the websockets, each with its own ordered outgoing queue on the event loop; `Worker` is the
-only thread that calls the engine: it turns the engine's events into ComfyUI's websocket messages and
-history entries.
+only thread that calls the engine: its runs' events become ComfyUI's websocket messages and history entries
+(events.py, messages.py).
 
 Batches: when the worker takes a prompt and more are already pending, it takes those too (up to
 `max_batch`, in queue order) and runs them as one merged graph (graph/workflow/queue.py), so N images share one
@@ -73,6 +73,13 @@ class PromptQueue:
         item = QueueItem.of(item)
         with self._cond:
             heapq.heappush(self._pending, _Pending(item.number, next(self._seq), item))
+            self._cond.notify_all()
+
+    def put_many(self, items: list[Item]) -> None:
+        """Queue several at once, so the Worker thread takes them together (it batches what is pending)."""
+        with self._cond:
+            for item in map(QueueItem.of, items):
+                heapq.heappush(self._pending, _Pending(item.number, next(self._seq), item))
             self._cond.notify_all()
 
     def put_new(self, item: Item) -> bool:
@@ -250,6 +257,12 @@ class Worker:
                 self._cancel.outputs(self._targets[prompt_id])
         return True
 
+    def running_now(self, pid: str | None) -> None:
+        """The prompt of the running graph whose node runs now (None: unchanged): /interrupt without an id stops it."""
+        if pid is not None:
+            with self._lock:
+                self._now = pid
+
     def _track(self, cancel: Any, targets: dict[str, tuple[str, ...]]) -> None:
         """The graph about to run: its Cancel and each prompt's outputs in it; stops asked for already apply."""
         with self._lock:
@@ -313,11 +326,10 @@ class Worker:
             stopped = isinstance(e, InterruptedRun)  # /interrupt without an id
             tell(self.hub, m, "execution_interrupted" if stopped else "execution_error", self._failure(m, e),
                  keep=True)
-        ok = result is not None
-        entry = msg.entry(item, m.ui, ok, m.messages, result.to_json() if ok else
-                          {"plan": run.plan_json if run else {}, "executed": m.ran})
+        report = result.to_json() if result is not None else {"plan": run.plan_json if run else {}, "executed": m.ran}
+        entry = msg.entry(item, m.ui, result is not None, m.messages, report)
         self.client_id, self.last_node, self.plan_message = None, None, None
-        self._end(m, entry)
+        self.end(m, entry)
 
     def _failure(self, m: Member, e: Exception) -> dict:
         """The execution_error (or _interrupted) body for `e`, raised by prompt `m`'s run."""
@@ -341,7 +353,7 @@ class Worker:
         method = extra.get("preview_method")
         return self.previews if method is None else str(method).lower() != "none"
 
-    def _end(self, m: Member, entry: dict) -> None:
+    def end(self, m: Member, entry: dict) -> None:
         """A prompt is over: its history entry, the queue's status, then the end of its execution."""
         m.done = True
         self._untrack(m.pid)
@@ -408,7 +420,7 @@ class Worker:
                 m = Member(0, item, {}, False)
                 tell(self.hub, m, "execution_error", msg.error(m.pid, "the server's worker failed; see its log",
                                                                "RuntimeError"), keep=True)
-                self._end(m, msg.entry(item, {}, False, m.messages, {}))
+                self.end(m, msg.entry(item, {}, False, m.messages, {}))
 
 
 def done_line(prompt_id: str, entry: dict) -> str:

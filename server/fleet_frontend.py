@@ -371,7 +371,7 @@ class Frontend:
             status = entry.get("status", {})
             warning = ["vramgraph.warning", {"prompt_id": pid, "message": why}]
             entry = {**entry, "status": {**status, "messages": [*status.get("messages", []), warning]}}
-            extra = (entry.get("prompt") or [None] * 4)[3]
+            extra = QueueItem.of(entry["prompt"]).extra_data if len(entry.get("prompt") or ()) >= 4 else None
             self.hub.send("vramgraph.warning", {"prompt_id": pid, "message": why},
                           extra.get("client_id") if isinstance(extra, dict) else None)
         self.queue.delete(pid)

@@ -27,6 +27,7 @@ from aiohttp import web
 from ..nodes.images import ImageTooLarge, open_image
 from . import formats
 from .bodies import BadRequest, id_list, parse_json, read_object, sane_id
+from .messages import QueueItem
 from .routes import Routes, _inside, _json_error
 from .security import save_upload
 
@@ -125,15 +126,17 @@ class Compat:
         pid = request.match_info["job_id"]
         entry = self.queue.get_history(pid).get(pid)
         if entry is not None:
+            item = QueueItem.of(entry["prompt"])
             job = {**formats.finished_job(pid, entry), "outputs": entry["outputs"],
-                   "execution_status": entry["status"], "workflow": {"prompt": entry["prompt"][2],
-                                                                     "extra_data": entry["prompt"][3]}}
+                   "execution_status": entry["status"], "workflow": {"prompt": item.prompt,
+                                                                     "extra_data": item.extra_data}}
             return web.json_response(job, dumps=_dumps)
         running, pending = self.queue.current()
         for status, items in (("in_progress", running), ("pending", pending)):
             for item in items:
-                if item[1] == pid:
-                    job = {**formats.queued_job(item, status), "workflow": {"prompt": item[2], "extra_data": item[3]}}
+                if item.prompt_id == pid:
+                    job = {**formats.queued_job(item, status), "workflow": {"prompt": item.prompt,
+                                                                            "extra_data": item.extra_data}}
                     return web.json_response(job, dumps=_dumps)
         return web.json_response({"error": "Job not found"}, status=404)
 

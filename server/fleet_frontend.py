@@ -22,10 +22,12 @@ from typing import Any
 from aiohttp import web
 
 from . import broker
+from . import messages as msg
 from .bodies import json_error
 from .fleet_files import handshake_problem, missing_outputs
 from .hub import PREVIEW_IMAGE, Hub
 from .ids import taken_by_others, unsafe_prefix
+from .messages import QueueItem
 from .queue import Item, PromptQueue
 from .routes import Routes, _duplicate
 from .signing import Signer, redact
@@ -187,9 +189,9 @@ class Frontend:
         if channel is None:
             raise broker.BrokerDown("not connected")
         key = broker.set_key(models)
-        number, pid, prompt, extra, outputs = item[:5]
-        body = {"number": number, "prompt_id": pid, "prompt": prompt, "extra_data": extra, "outputs": outputs,
-                "set": key, "models": list(models), "frontend": self.ident}
+        pid = item.prompt_id
+        body = {"number": item.number, "prompt_id": pid, "prompt": item.prompt, "extra_data": item.extra_data,
+                "outputs": item.outputs, "set": key, "models": list(models), "frontend": self.ident}
 
         async def send() -> None:
             if key not in self.sets:
@@ -301,8 +303,6 @@ class Frontend:
             return None
 
     def _dead_letter(self, d: dict) -> None:
-        from .queue import _entry, _now_ms
-
         pid = str(d["prompt_id"])
         if pid in self.attempts:  # it did finish once: that result stands
             return
@@ -314,13 +314,11 @@ class Frontend:
                f"{broker.DEAD} queue" if d["reason"] == "delivery_limit" else
                f"prompt {pid} was refused by a worker ({d['reason']}); it is kept in the broker's {broker.DEAD} queue")
         log.warning("%s", why)
-        error = {"prompt_id": pid, "node_id": "", "node_type": "", "executed": [], "exception_message": why,
-                 "exception_type": "PromptDeadLettered", "traceback": [], "current_inputs": {},
-                 "current_outputs": {}, "timestamp": _now_ms()}
-        item = next((i for i in [*self.queue.current()[0], *self.queue.current()[1]] if i[1] == pid), None)
-        item = item or tuple(d["item"])
+        error = msg.error(pid, why, "PromptDeadLettered")
+        item = next((i for i in [*self.queue.current()[0], *self.queue.current()[1]] if i.prompt_id == pid), None)
+        item = item or QueueItem.of(d["item"])
         self.queue.delete(pid)
-        self.queue.done(pid, _entry(item, {}, False, [["execution_error", error]], {"dead_letter": {
+        self.queue.done(pid, msg.failed_entry(item, error, {"dead_letter": {
             "reason": d["reason"], "tries": d["tries"]}}))
         self.hub.send("execution_error", error, d.get("sid"))
         self.hub.send("status", {"status": self.status()})
@@ -352,7 +350,7 @@ class Frontend:
 
     def _running(self, pid: str) -> None:
         _, pending = self.queue.current()
-        item = next((i for i in pending if i[1] == pid), None)
+        item = next((i for i in pending if i.prompt_id == pid), None)
         if item is not None and self.queue.delete(pid):
             self.queue.running[pid] = item
 
@@ -373,7 +371,7 @@ class Frontend:
             status = entry.get("status", {})
             warning = ["vramgraph.warning", {"prompt_id": pid, "message": why}]
             entry = {**entry, "status": {**status, "messages": [*status.get("messages", []), warning]}}
-            extra = (entry.get("prompt") or [None] * 4)[3]
+            extra = QueueItem.of(entry["prompt"]).extra_data if len(entry.get("prompt") or ()) >= 4 else None
             self.hub.send("vramgraph.warning", {"prompt_id": pid, "message": why},
                           extra.get("client_id") if isinstance(extra, dict) else None)
         self.queue.delete(pid)
@@ -443,7 +441,7 @@ class FrontendRoutes(Routes):
         except PlanError as e:
             return web.json_response({"error": e.to_dict(), "node_errors": {}}, status=400)
         req.extra["create_time"] = int(time.time() * 1000)
-        item = (number, pid, req.prompt, req.extra, list(check.outputs))
+        item = QueueItem(number, pid, req.prompt, req.extra, list(check.outputs))
         if not self.queue.put_new(item):  # listed as pending before the broker has it: a fast result finds it
             return _duplicate(pid)
         try:

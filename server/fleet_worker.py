@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import contextlib
 import copy
-import heapq
 import json
 import logging
 import threading
@@ -40,10 +39,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import broker
+from . import messages as msg
 from .fleet_files import can_run, held_files, write_handshake
 from .hub import PREVIEW_IMAGE
 from .ids import BadId, NotOurs, check_prompt_id, claim, unsafe_prefix
-from .queue import MAX_BATCH, Item, PromptQueue, Worker, _entry, _now_ms
+from .messages import QueueItem
+from .queue import MAX_BATCH, Item, PromptQueue, Worker
 from .signing import Signer, redact
 
 log = logging.getLogger("vramgraph.worker")
@@ -112,13 +113,6 @@ class FleetQueue(PromptQueue):
     def __init__(self, fleet: FleetWorker) -> None:
         super().__init__(max_history=64)
         self.fleet = fleet
-
-    def put_many(self, items: list[Item]) -> None:
-        """Queue a batch at once, so the Worker thread takes it whole (queue.py batches what is pending)."""
-        with self._cond:
-            for item in items:
-                heapq.heappush(self._pending, (item[0], next(self._seq), item))
-            self._cond.notify_all()
 
     def done(self, prompt_id: str, entry: dict) -> None:
         super().done(prompt_id, entry)
@@ -332,8 +326,8 @@ class FleetWorker:
             pid = check_prompt_id(d["prompt_id"])
             if not isinstance(d["prompt"], dict) or not isinstance(d["extra_data"], dict):
                 raise TypeError("prompt and extra_data must be objects")
-            item = (d["number"], pid, keyed_outputs(d["prompt"], pid, self.engine.nodes), d["extra_data"],
-                    d["outputs"])
+            item = QueueItem(d["number"], pid, keyed_outputs(d["prompt"], pid, self.engine.nodes), d["extra_data"],
+                             d["outputs"])
             reply_to = str(m.reply_to or "")
             if not reply_to.startswith(broker.FRONTEND_QUEUE):
                 raise ValueError(f"reply_to {reply_to[:80]!r} is not a frontend's queue")
@@ -347,12 +341,12 @@ class FleetWorker:
             return None
         attempt = f"{self.ident}:{uuid.uuid4().hex[:8]}"
         if unsafe:
-            self._refuse(m, (d["number"], pid, d["prompt"], d["extra_data"], d["outputs"]), reply_to, attempt, unsafe)
+            self._refuse(m, item._replace(prompt=d["prompt"]), reply_to, attempt, unsafe)
             return None
         try:  # an earlier attempt's files (a worker that was killed) go; a folder we did not make is left alone
             await asyncio.get_running_loop().run_in_executor(None, claim, self.engine.folders.output, pid)
         except (NotOurs, BadId, OSError) as e:
-            self._refuse(m, (d["number"], pid, d["prompt"], d["extra_data"], d["outputs"]), reply_to, attempt, str(e))
+            self._refuse(m, item._replace(prompt=d["prompt"]), reply_to, attempt, str(e))
             return None
         resident = key in held
         self.deliveries[pid] = Delivery(m, reply_to, attempt, self.generation, key, resident)
@@ -374,16 +368,13 @@ class FleetWorker:
     def _refuse(self, m: Any, item: Item, reply_to: str, attempt: str, why: str) -> None:
         """End prompt `item` with an error its client sees (execution_error, a /history entry); the message is
         acknowledged once the broker has the result."""
-        pid = item[1]
+        pid = item.prompt_id
         log.warning("prompt %s refused: %s", pid, why)
-        error = {"prompt_id": pid, "node_id": "", "node_type": "", "executed": [], "exception_message": why,
-                 "exception_type": "PromptRefused", "traceback": [], "current_inputs": {}, "current_outputs": {},
-                 "timestamp": _now_ms()}
-        sid = item[3].get("client_id")
-        self._send("event", reply_to, json.dumps({"kind": "execution_error", "data": error, "sid": sid,
+        error = msg.error(pid, why, "PromptRefused")
+        self._send("event", reply_to, json.dumps({"kind": "execution_error", "data": error, "sid": item.client_id,
                                                   "attempt": attempt}).encode(), self.generation)
         body = {"prompt_id": pid, "attempt": attempt, "worker": self.ident, "resident": False, "set": "",
-                "loads": self.loads(), "entry": _entry(item, {}, False, [["execution_error", error]], {})}
+                "loads": self.loads(), "entry": msg.failed_entry(item, error, {})}
         self._send("result", reply_to, json.dumps(body, default=str).encode(), self.generation, persistent=True,
                    ack=m)
 

@@ -21,6 +21,7 @@ import networkx as nx
 from ..graph.workflow.parse import WidgetSlot, widget_positions, widget_slots
 from ..graph.workflow.validate import input_types
 from ..nodes.types import is_link
+from .messages import QueueItem
 
 GiB = 2**30
 
@@ -123,9 +124,9 @@ def _pruned(d: dict) -> dict:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def queued_job(item: tuple, status: str) -> dict:
+def queued_job(item: QueueItem, status: str) -> dict:
     """A pending or running queue item as one of ComfyUI's /api/jobs entries."""
-    number, pid, _, extra = item[:4]
+    number, pid, extra = item.number, item.prompt_id, item.extra_data
     workflow = ((extra.get("extra_pnginfo") or {}).get("workflow") or {}) if isinstance(extra, dict) else {}
     return _pruned({"id": pid, "status": status, "priority": number, "create_time": extra.get("create_time"),
                     "outputs_count": 0, "previewable_outputs_count": 0,
@@ -134,7 +135,7 @@ def queued_job(item: tuple, status: str) -> dict:
 
 def finished_job(pid: str, entry: dict) -> dict:
     """A history entry as one of ComfyUI's /api/jobs entries (interrupted: "cancelled", other errors: "failed")."""
-    job = queued_job(tuple(entry["prompt"]), "completed")
+    job = queued_job(QueueItem.of(entry["prompt"]), "completed")
     status = entry.get("status") or {}
     start = end = error = None
     interrupted = False

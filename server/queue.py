@@ -2,8 +2,8 @@
 
 `PromptQueue` is ComfyUI's queue (pending items ordered by number, the running one, the history);
 `Hub` holds the websockets, each with its own ordered outgoing queue on the event loop; `Worker` is the
-only thread that calls the engine: it turns the engine's events into ComfyUI's websocket messages and
-history entries.
+only thread that calls the engine: its runs' events become ComfyUI's websocket messages and history entries
+(events.py, messages.py).
 
 Batches: when the worker takes a prompt and more are already pending, it takes those too (up to
 `max_batch`, in queue order) and runs them as one merged graph (graph/workflow/queue.py), so N images share one
@@ -29,14 +29,14 @@ import itertools
 import json
 import logging
 import threading
-import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from .formats import ProgressState
-from .hub import PREVIEW_IMAGE, Hub, encode_preview
+from . import messages as msg
+from .events import Member, Translation, tell
+from .hub import Hub
+from .messages import QueueItem
 
 log = logging.getLogger("vramgraph.server")
 MAX_HISTORY = 1000
@@ -44,11 +44,15 @@ MAX_HISTORY_BYTES = 256 * 2**20  # the history's entries as JSON, at most; the o
 MAX_BATCH = 16  # prompts planned together at most
 
 
-Item = tuple  # (number, prompt_id, prompt, extra_data, outputs_to_execute): a queue entry as ComfyUI lists it
+Item = QueueItem  # a queue entry as ComfyUI lists it (messages.py)
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
+class _Pending(NamedTuple):
+    """A pending item in the heap: ordered by its number, then by when it was queued."""
+
+    number: float
+    seq: int
+    item: QueueItem
 
 
 class PromptQueue:
@@ -56,7 +60,7 @@ class PromptQueue:
 
     def __init__(self, max_history: int = MAX_HISTORY, max_history_bytes: int = MAX_HISTORY_BYTES) -> None:
         self._cond = threading.Condition()
-        self._pending: list[tuple[float, int, Item]] = []
+        self._pending: list[_Pending] = []
         self._seq = itertools.count()
         self.running: dict[str, Item] = {}
         self.history: OrderedDict[str, dict] = OrderedDict()
@@ -66,14 +70,22 @@ class PromptQueue:
         self._history_bytes = 0
 
     def put(self, item: Item) -> None:
+        item = QueueItem.of(item)
         with self._cond:
-            heapq.heappush(self._pending, (item[0], next(self._seq), item))
+            heapq.heappush(self._pending, _Pending(item.number, next(self._seq), item))
+            self._cond.notify_all()
+
+    def put_many(self, items: list[Item]) -> None:
+        """Queue several at once, so the Worker thread takes them together (it batches what is pending)."""
+        with self._cond:
+            for item in map(QueueItem.of, items):
+                heapq.heappush(self._pending, _Pending(item.number, next(self._seq), item))
             self._cond.notify_all()
 
     def put_new(self, item: Item) -> bool:
         """Queue `item` unless its prompt id is already pending, running or in the history (then False)."""
         with self._cond:
-            if self._known(item[1]):
+            if self._known(QueueItem.of(item).prompt_id):
                 return False
             self.put(item)
             return True
@@ -83,7 +95,7 @@ class PromptQueue:
             return self._known(prompt_id)
 
     def _known(self, prompt_id: str) -> bool:
-        return prompt_id in self.running or prompt_id in self.history or any(e[2][1] == prompt_id
+        return prompt_id in self.running or prompt_id in self.history or any(e.item.prompt_id == prompt_id
                                                                              for e in self._pending)
 
     def get(self, timeout: float) -> Item | None:
@@ -93,8 +105,8 @@ class PromptQueue:
                 self._cond.wait(timeout)
             if not self._pending:
                 return None
-            item = heapq.heappop(self._pending)[2]
-            self.running[item[1]] = item
+            item = heapq.heappop(self._pending).item
+            self.running[item.prompt_id] = item
             return item
 
     def take(self, limit: int) -> list[Item]:
@@ -102,8 +114,8 @@ class PromptQueue:
         with self._cond:
             items: list[Item] = []
             while self._pending and len(items) < limit:
-                item = heapq.heappop(self._pending)[2]
-                self.running[item[1]] = item
+                item = heapq.heappop(self._pending).item
+                self.running[item.prompt_id] = item
                 items.append(item)
             return items
 
@@ -152,7 +164,7 @@ class PromptQueue:
 
     def current(self) -> tuple[list[Item], list[Item]]:
         with self._cond:
-            return list(self.running.values()), [e[2] for e in sorted(self._pending)]
+            return list(self.running.values()), [e.item for e in sorted(self._pending)]
 
     def wipe(self) -> None:
         with self._cond:
@@ -160,7 +172,7 @@ class PromptQueue:
 
     def delete(self, prompt_id: str) -> bool:
         with self._cond:
-            kept = [e for e in self._pending if e[2][1] != prompt_id]
+            kept = [e for e in self._pending if e.item.prompt_id != prompt_id]
             found = len(kept) != len(self._pending)
             self._pending = kept
             heapq.heapify(self._pending)
@@ -245,6 +257,12 @@ class Worker:
                 self._cancel.outputs(self._targets[prompt_id])
         return True
 
+    def running_now(self, pid: str | None) -> None:
+        """The prompt of the running graph whose node runs now (None: unchanged): /interrupt without an id stops it."""
+        if pid is not None:
+            with self._lock:
+                self._now = pid
+
     def _track(self, cancel: Any, targets: dict[str, tuple[str, ...]]) -> None:
         """The graph about to run: its Cancel and each prompt's outputs in it; stops asked for already apply."""
         with self._lock:
@@ -271,151 +289,88 @@ class Worker:
                     else:
                         self.execute_batch(items)
                 except Exception:  # the worker must survive anything a prompt does
-                    log.exception("prompt(s) %s: unexpected failure", ", ".join(i[1] for i in items))
+                    log.exception("prompt(s) %s: unexpected failure", ", ".join(i.prompt_id for i in items))
                 finally:
                     self._settle(items)
                     self._untrack()
                     with self._lock:
-                        self._stopping.difference_update(i[1] for i in items)
+                        self._stopping.difference_update(i.prompt_id for i in items)
             flags = self.queue.take_flags()
             if flags.get("unload_models") or flags.get("free_memory"):
                 self.engine.free(bool(flags.get("unload_models")), bool(flags.get("free_memory")))
 
     def execute(self, item: Item) -> None:
-        from ..graph.draw.timeline import timeline_data, timeline_svg
+        """Run one prompt alone, its events told to its client (events.Translation)."""
         from ..graph.engine.executor import Cancel
+        from ..graph.workflow.errors import InterruptedRun
+
+        item = QueueItem.of(item)
+        m = Member(0, item, {}, self._wants_previews(item.extra_data))
+        self.client_id, self.last_node = m.sid, None
+        tell(self.hub, m, "execution_start", msg.start(m.pid), keep=True)
+        self.engine.previews = m.previews
+        result, run = None, None
+        try:
+            prep = self.engine.prepare(item.prompt, outputs=item.targets)
+            m.rename = {n: n for n in prep.prompt}
+            run = Translation(self, prep, [m])
+            cancel = Cancel()
+            self._track(cancel, {m.pid: prep.outputs})
+            result = self.engine.run(prep, extra_pnginfo=item.extra_data.get("extra_pnginfo"), prompt_id=m.pid,
+                                     events=run, cancel=cancel)
+            if m.stopped:  # its /interrupt: told once the run has ended
+                result = None
+                tell(self.hub, m, "execution_interrupted", msg.interrupted(m.pid, m.stop_node,
+                                                                           m.node_type(m.stop_node), m.ran), keep=True)
+        except Exception as e:
+            stopped = isinstance(e, InterruptedRun)  # /interrupt without an id
+            tell(self.hub, m, "execution_interrupted" if stopped else "execution_error", self._failure(m, e),
+                 keep=True)
+        report = result.to_json() if result is not None else {"plan": run.plan_json if run else {}, "executed": m.ran}
+        entry = msg.entry(item, m.ui, result is not None, m.messages, report)
+        self.client_id, self.last_node, self.plan_message = None, None, None
+        self.end(m, entry)
+
+    def _failure(self, m: Member, e: Exception) -> dict:
+        """The execution_error (or _interrupted) body for `e`, raised by prompt `m`'s run."""
         from ..graph.plan.planner import PlanError
         from ..graph.workflow.errors import InterruptedRun, NodeExecutionError, ValidationFailed
 
-        pid, prompt, extra = item[1:4]
-        sid = extra.get("client_id")
-        self.client_id, self.last_node = sid, None
-        messages: list[list] = []
-        ui: dict[str, dict] = {}
-        ran: list[str] = []
-        plan: dict = {}
-        cancel, stopped = Cancel(), {}
-        progress = ProgressState(pid)
-
-        def emit(kind: str, data: dict, keep: bool = False) -> None:
-            if keep:
-                messages.append([kind, data])
-            self.hub.send_threadsafe(kind, data, sid)
-
-        def events(kind: str, data: dict) -> None:
-            data = {**data, "prompt_id": data.get("prompt_id") or pid}
-            if kind == "execution_success" and stopped:  # interrupted: told once the run has ended
-                return
-            if kind in ("execution_cached", "execution_success"):
-                ran.extend(data.get("nodes", []) if kind == "execution_cached" else [])
-                emit(kind, {**data, "timestamp": _now_ms()}, keep=True)
-                for node in data.get("nodes", []) if kind == "execution_cached" else []:
-                    cached = self.ui_cache.get(prep.signatures.get(node, ""))
-                    if cached is not None:  # as ComfyUI: a cached output node shows its last output again
-                        ui[node] = cached
-                        emit("executed", {"node": node, "display_node": node, "output": cached, "prompt_id": pid})
-            elif kind == "plan":
-                svg = timeline_svg(prep.plan, str(extra.get("workflow_name") or ""), card=self.engine.budget.card,
-                                   prompt=prep.prompt)
-                self.plan_message = {"prompt_id": pid, "plan": data["plan"], "timeline": timeline_data(prep.plan),
-                                     "svg": svg}
-                plan.update(data["plan"])
-                emit("vramgraph.plan", self.plan_message)
-            elif kind == "executing":
-                if data.get("node") is not None:  # the end is announced once the history is written
-                    self.last_node = data["node"]
-                    emit(kind, {**data, "display_node": data.get("display_node") or data["node"]})
-                    emit("progress_state", progress.start(data["node"]))
-            elif kind == "progress":
-                emit(kind, data)
-                emit("progress_state", progress.update(data["node"], data["value"], data["max"]))
-            elif kind == "cancelled":  # this prompt's /interrupt: its outputs (all of them) are given up
-                stopped.setdefault("node", next((n for n in (data["node"], *data["dropped"]) if n), None))
-            elif kind == "executed":
-                ran.append(data["node"])
-                emit("progress_state", progress.finish(data["node"]))
-                if data.get("output") is not None:
-                    ui[data["node"]] = data["output"]
-                    if len(self.ui_cache) > MAX_HISTORY:
-                        self.ui_cache.clear()
-                    self.ui_cache[prep.signatures[data["node"]]] = data["output"]
-                    emit(kind, {"node": data["node"], "display_node": data["node"], "output": data["output"],
-                                "prompt_id": pid})
-            elif kind == "vg_step":
-                emit("vramgraph.step", data)
-            elif kind == "vg_replan":  # other processes took GPU memory: the rest of the run was planned again
-                emit("vramgraph.replan", data)
-            elif kind == "vg_estimate_exceeded":
-                emit("vramgraph.estimate", data)
-            elif kind == "preview":
-                self.hub.send_threadsafe(PREVIEW_IMAGE, encode_preview(data["image"]), sid)
-
-        emit("execution_start", {"prompt_id": pid, "timestamp": _now_ms()}, keep=True)
-        self.engine.previews = self._wants_previews(extra)
-        result = None
-        try:
-            prep = self.engine.prepare(prompt, outputs=_outputs(item))
-            self._track(cancel, {pid: prep.outputs})
-            result = self.engine.run(prep, extra_pnginfo=extra.get("extra_pnginfo"), prompt_id=pid, events=events,
-                                     cancel=cancel)
-            if stopped:
-                result, node = None, stopped["node"]
-                emit("execution_interrupted", {"prompt_id": pid, "node_id": node, "node_type": prompt.get(
-                    node, {}).get("class_type") if node else None, "executed": ran, "timestamp": _now_ms()},
-                    keep=True)
-        except InterruptedRun as e:
-            emit("execution_interrupted", {"prompt_id": pid, "node_id": e.node_id, "node_type": e.class_type,
-                                           "executed": ran, "timestamp": _now_ms()}, keep=True)
-        except NodeExecutionError as e:
-            e.prompt_id, e.executed = pid, list(ran)
-            emit("execution_error", {**e.to_dict(), "timestamp": _now_ms()}, keep=True)
-        except (PlanError, ValidationFailed) as e:
+        if isinstance(e, InterruptedRun):
+            return msg.interrupted(m.pid, e.node_id, e.class_type, m.ran)
+        if isinstance(e, NodeExecutionError):
+            e.prompt_id, e.executed = m.pid, list(m.ran)
+            return msg.node_error(e)
+        if isinstance(e, PlanError | ValidationFailed):
             info = e.to_dict()
             node = info.get("extra_info", {}).get("node_id") or next(iter(getattr(e, "node_errors", {}) or {}), "")
-            emit("execution_error", {"prompt_id": pid, "node_id": node, "node_type": prompt.get(node, {}).get(
-                "class_type", ""), "executed": ran, "exception_message": f"{info['message']}: {info['details']}",
-                "exception_type": type(e).__name__, "traceback": [], "current_inputs": {}, "current_outputs": {},
-                "timestamp": _now_ms()}, keep=True)
-        except Exception as e:
-            log.exception("prompt %s failed", pid)
-            emit("execution_error", {"prompt_id": pid, "node_id": self.last_node or "", "node_type": "",
-                                     "executed": ran, "exception_message": str(e), "exception_type": type(e).__name__,
-                                     "traceback": [], "current_inputs": {}, "current_outputs": {},
-                                     "timestamp": _now_ms()}, keep=True)
-        ok = result is not None
-        entry = _entry(item, ui, ok, messages, result.to_json() if ok else {"plan": plan, "executed": ran})
-        self._untrack(pid)
-        self.queue.done(pid, entry)
-        self.client_id, self.last_node, self.plan_message = None, None, None
-        self.hub.send_threadsafe("status", {"status": self.status()})
-        self.hub.send_threadsafe("executing", {"node": None, "prompt_id": pid}, sid)
+            return msg.error(m.pid, f"{info['message']}: {info['details']}", type(e).__name__, node=node,
+                             node_type=m.item.prompt.get(node, {}).get("class_type", ""), executed_nodes=m.ran)
+        log.exception("prompt %s failed", m.pid)
+        return msg.error(m.pid, str(e), type(e).__name__, node=self.last_node or "", executed_nodes=m.ran)
 
     def _wants_previews(self, extra: dict) -> bool:
         method = extra.get("preview_method")
         return self.previews if method is None else str(method).lower() != "none"
 
-    def _send(self, m: _Member, kind: str, data: dict, keep: bool = False) -> None:
-        if keep:
-            m.messages.append([kind, data])
-        self.hub.send_threadsafe(kind, data, m.sid)
-
-    def _end(self, m: _Member, entry: dict) -> None:
-        """A batch's prompt is over: its history entry, the queue's status, then the end of its execution."""
+    def end(self, m: Member, entry: dict) -> None:
+        """A prompt is over: its history entry, the queue's status, then the end of its execution."""
         m.done = True
         self._untrack(m.pid)
         self.queue.done(m.pid, entry)
         self.hub.send_threadsafe("status", {"status": self.status()})
-        self.hub.send_threadsafe("executing", {"node": None, "prompt_id": m.pid}, m.sid)
+        self.hub.send_threadsafe("executing", msg.executing(m.pid, None), m.sid)
 
     def execute_batch(self, items: list[Item]) -> None:
         """Run several queued prompts as one merged graph, each reported to its client as if it ran alone."""
-        from ..graph.draw.timeline import timeline_data, timeline_svg
         from ..graph.engine.executor import Cancel
         from ..graph.workflow.errors import InterruptedRun
 
+        items = [QueueItem.of(i) for i in items]
         try:
-            prep, merged = self.engine.prepare_queue([i[2] for i in items], [i[3].get("extra_pnginfo") for i in items],
-                                                     [_outputs(i) for i in items])
+            prep, merged = self.engine.prepare_queue([i.prompt for i in items],
+                                                     [i.extra_data.get("extra_pnginfo") for i in items],
+                                                     [i.targets for i in items])
         except Exception as e:  # PlanError, ValidationFailed, ...: alone, each prompt reports its own error
             log.warning("%d prompts not planned together (%s: %s); running them one by one", len(items),
                         type(e).__name__, e)
@@ -424,160 +379,21 @@ class Worker:
             return
         batch_id = uuid.uuid4().hex
         planned = set(prep.plan.order)
-        members = [_Member(k, item, dict(rename), self._wants_previews(item[3]), {n for n in rename.values()
-                                                                                  if n in planned})
+        members = [Member(k, item, dict(rename), self._wants_previews(item.extra_data),
+                          {n for n in rename.values() if n in planned})
                    for k, (item, rename) in enumerate(zip(items, merged.members, strict=True))]
-        owners: dict[str, list[tuple[_Member, str]]] = {}  # merged id -> (prompt, its own id), shared nodes: several
-        for m in members:
-            for orig, new in m.rename.items():
-                owners.setdefault(new, []).append((m, orig))
-        for out in prep.outputs:  # output nodes are never shared: each is one prompt's
-            owners[out][0][0].outputs.append(out)
+        run = Translation(self, prep, members, batch_id)
         cancel = Cancel()
         self._track(cancel, {m.pid: tuple(m.outputs) for m in members})
-        plan_json = prep.plan.to_json()
-        plan_messages: dict[str | None, dict] = {}
-        nodes: list[dict] = []  # the batch's node reports so far
-        images: list[str] = []
-        moves = {"load": 0, "unload": 0}
-        t0 = time.perf_counter()
-
-        def own(sid: str | None) -> list[str]:  # the prompts of the batch a message to client `sid` may name
-            return [m.pid for m in members if m.sid == sid]
-
-        def about(m: _Member) -> dict:
-            return {"batch": {"id": batch_id, "prompt_ids": own(m.sid), "index": m.index}, "members": m.rename}
-
-        def report(m: _Member, result: Any = None) -> dict:
-            if result is not None:
-                return {**result.to_json(), **about(m)}
-            return {"prompt_id": batch_id, "seconds": round(time.perf_counter() - t0, 4), "loads": moves["load"],
-                    "unloads": moves["unload"], "cached": list(prep.cached), "images": list(images),
-                    "nodes": list(nodes), "plan": plan_json, "partial": True, **about(m)}
-
-        def finish(m: _Member) -> None:
-            self._send(m, "execution_success", {"prompt_id": m.pid, "timestamp": _now_ms()}, keep=True)
-            self._end(m, _entry(m.item, m.ui, True, m.messages, report(m)))
-
-        def interrupted(m: _Member, node: str | None) -> None:
-            orig = next((o for mm, o in owners.get(node or "", ()) if mm is m), None)
-            m.stopped = True
-            self._send(m, "execution_interrupted", {
-                "prompt_id": m.pid, "node_id": orig, "node_type": m.item[2].get(orig, {}).get("class_type")
-                if orig else None, "executed": list(m.ran), "timestamp": _now_ms()}, keep=True)
-            self._end(m, _entry(m.item, m.ui, False, m.messages,
-                                {"plan": plan_json, "executed": list(m.ran), **about(m)}))
-
-        def running(node: str | None) -> list[tuple[_Member, str]]:  # the prompts still told about `node`
-            return [(m, orig) for m, orig in owners.get(node or "", ()) if not m.done]
-
-        def follow(m: _Member, node: str | None) -> None:  # what a page that reconnects now is told
-            base = plan_messages.get(m.sid) or plan_messages.get(None)
-            self.client_id, self.last_node = m.sid, node
-            self.plan_message = {**base, "prompt_id": m.pid} if base else None
-
-        def events(kind: str, data: dict) -> None:
-            node = data.get("node")
-            if kind == "plan":
-                timeline = timeline_data(prep.plan)
-                names = {str(i[3].get("workflow_name") or "") for i in items}
-                svg = timeline_svg(prep.plan, names.pop() if len(names) == 1 else "", card=self.engine.budget.card,
-                                   prompt=prep.prompt)
-                for sid, first in _clients(members).items():  # each client hears of its own prompts only
-                    plan_messages[sid] = {"prompt_id": first.pid, "prompt_ids": own(sid), "batch": batch_id,
-                                          "members": {m.pid: m.rename for m in members if m.sid == sid},
-                                          "plan": plan_json,
-                                          "timeline": timeline, "svg": svg}
-                    self.hub.send_threadsafe("vramgraph.plan", plan_messages[sid], sid)
-                follow(members[0], None)
-                for m in members:
-                    cached = [orig for orig, new in m.rename.items() if new in prep.cached]
-                    m.ran.extend(cached)
-                    self._send(m, "execution_cached", {"prompt_id": m.pid, "nodes": cached,  # as ComfyUI: empty too
-                                                       "timestamp": _now_ms()}, keep=True)
-                    for orig in cached:  # as ComfyUI: a cached output node shows its last output again
-                        ui = self.ui_cache.get(prep.signatures.get(m.rename[orig], ""))
-                        if ui is not None:
-                            m.ui[orig] = ui
-                            self._send(m, "executed", {"node": orig, "display_node": orig, "output": ui,
-                                                       "prompt_id": m.pid})
-                    if not m.left and not m.done:
-                        finish(m)
-            elif kind == "executing" and node is not None:
-                for m, orig in running(node):
-                    follow(m, orig)
-                    self._send(m, "executing", {"node": orig, "display_node": orig, "prompt_id": m.pid})
-                    self._send(m, "progress_state", m.progress.start(orig))
-                with self._lock:
-                    self._now = next((m.pid for m, _ in running(node)), self._now)
-            elif kind == "progress":
-                for m, orig in running(node):
-                    self._send(m, "progress", {**data, "node": orig, "prompt_id": m.pid})
-                    self._send(m, "progress_state", m.progress.update(orig, data["value"], data["max"]))
-            elif kind == "cancelled":  # a targeted /interrupt: those prompts stop, the others go on
-                gone = set(data["outputs"])
-                for m in members:
-                    if not m.done and gone & set(m.outputs):
-                        interrupted(m, next((n for n in (data["node"], *data["dropped"])
-                                             if any(mm is m for mm, _ in owners.get(n or "", ()))), None))
-                for m in members:  # nodes left out that a prompt listed but did not need
-                    m.left.difference_update(data["dropped"])
-                    if not m.left and not m.done:
-                        finish(m)
-            elif kind == "executed":
-                output = data.get("output")
-                variant = prep.plan.variant_of(node)
-                nodes.append({"node": node, "class_type": prep.prompt[node]["class_type"], "variant": variant,
-                              "seconds": data.get("seconds", 0.0), "measured_bytes": data.get("measured_bytes", 0),
-                              "predicted_bytes": next(
-                                  (o.activation for o in prep.costs[node].variants if o.name == variant), 0)})
-                if output is not None:
-                    if len(self.ui_cache) > MAX_HISTORY:
-                        self.ui_cache.clear()
-                    self.ui_cache[prep.signatures[node]] = output
-                    folders = self.engine.folders
-                    images.extend(str((folders.output if im.get("type") == "output" else folders.temp)
-                                      / im.get("subfolder", "") / im["filename"]) for im in output.get("images", []))
-                for m, orig in running(node):
-                    m.ran.append(orig)
-                    self._send(m, "progress_state", m.progress.finish(orig))
-                    if output is not None:
-                        m.ui[orig] = output
-                        self._send(m, "executed", {"node": orig, "display_node": orig, "output": output,
-                                                   "prompt_id": m.pid})
-                for m in dict.fromkeys(m for m, _ in running(node)):
-                    m.left.discard(node)
-                    if not m.left and not m.done:
-                        finish(m)
-            elif kind == "vg_estimate_exceeded":
-                for sid, first in _clients([m for m, _ in running(node)]).items():
-                    self.hub.send_threadsafe("vramgraph.estimate", {**data, "prompt_id": first.pid, "node": next(
-                        orig for m, orig in running(node) if m is first), "prompt_ids": own(sid)}, sid)
-            elif kind == "vg_replan":
-                for sid, first in _clients([m for m in members if not m.done]).items():
-                    self.hub.send_threadsafe("vramgraph.replan", {**data, "prompt_id": first.pid,
-                                                                  "prompt_ids": own(sid)}, sid)
-            elif kind == "vg_step":
-                moves[data["kind"]] = moves.get(data["kind"], 0) + 1
-                for sid, first in _clients([m for m in members if not m.done]).items():
-                    self.hub.send_threadsafe("vramgraph.step", {**data, "prompt_id": first.pid,
-                                                                "prompt_ids": own(sid)}, sid)
-            elif kind == "preview":
-                wanted = [m for m, _ in running(node) if m.previews]
-                if wanted:
-                    frame = encode_preview(data["image"])
-                    for sid in _clients(wanted):
-                        self.hub.send_threadsafe(PREVIEW_IMAGE, frame, sid)
-
         for m in members:
-            self._send(m, "execution_start", {"prompt_id": m.pid, "timestamp": _now_ms()}, keep=True)
+            tell(self.hub, m, "execution_start", msg.start(m.pid), keep=True)
         self.engine.previews = any(m.previews for m in members)
         try:
-            result = self.engine.run(prep, prompt_id=batch_id, events=events, cancel=cancel)
+            result = self.engine.run(prep, prompt_id=batch_id, events=run, cancel=cancel)
         except InterruptedRun as e:  # /interrupt without an id: every prompt not complete stops
             for m in members:
                 if not m.done:
-                    interrupted(m, e.node_id)
+                    run.interrupted(m, e.node_id)
         except Exception as e:  # a node failed: the prompts not complete run alone, each reporting its own error
             left = [m for m in members if not m.done]
             log.warning("batch %s failed (%s: %s); running its %d incomplete prompt(s) one by one", batch_id,
@@ -588,10 +404,10 @@ class Worker:
         else:
             for m in members:
                 if not m.done:
-                    finish(m)
+                    run.finish(m)
             for m in members:  # the whole run's report, now that it has ended
                 if not m.stopped:
-                    self.queue.update_history(m.pid, "vramgraph", report(m, result))
+                    self.queue.update_history(m.pid, "vramgraph", run.report(m, result))
         finally:
             self.client_id, self.last_node, self.plan_message = None, None, None
 
@@ -599,55 +415,12 @@ class Worker:
         """Any taken prompt left running by a failure of the worker itself ends with an error."""
         running = self.queue.running
         for item in items:
-            if item[1] in running:
-                m = _Member(0, item, {}, False)
-                self._send(m, "execution_error", {
-                    "prompt_id": m.pid, "node_id": "", "node_type": "", "executed": [],
-                    "exception_message": "the server's worker failed; see its log", "exception_type": "RuntimeError",
-                    "traceback": [], "current_inputs": {}, "current_outputs": {}, "timestamp": _now_ms()}, keep=True)
-                self._end(m, _entry(item, {}, False, m.messages, {}))
-
-
-@dataclass(eq=False)
-class _Member:
-    """One prompt of a batch: its queue item, its node ids in the merged graph, what it has been told."""
-
-    index: int
-    item: Item
-    rename: dict[str, str]  # its node id -> the merged graph's
-    previews: bool
-    left: set[str] = field(default_factory=set)  # merged ids of its nodes in the plan that have still to run
-    messages: list[list] = field(default_factory=list)
-    ui: dict[str, dict] = field(default_factory=dict)
-    ran: list[str] = field(default_factory=list)  # its node ids done, cached or run
-    outputs: list[str] = field(default_factory=list)  # its output nodes' merged ids
-    progress: ProgressState = field(init=False)
-    done: bool = False
-    stopped: bool = False  # interrupted
-
-    def __post_init__(self) -> None:
-        self.progress = ProgressState(self.pid)
-
-    @property
-    def pid(self) -> str:
-        return self.item[1]
-
-    @property
-    def sid(self) -> str | None:
-        return self.item[3].get("client_id")
-
-
-def _outputs(item: Item) -> list[str] | None:
-    """The output nodes a queue item runs (POST /prompt's partial_execution_targets, or every valid one)."""
-    return [str(o) for o in item[4]] if len(item) > 4 and item[4] else None
-
-
-def _clients(members: list[_Member]) -> dict[str | None, _Member]:
-    """The distinct clients of `members`, each with its first prompt; None (no client id: every client) alone."""
-    firsts: dict[str | None, _Member] = {}
-    for m in members:
-        firsts.setdefault(m.sid, m)
-    return {None: firsts[None]} if None in firsts else firsts
+            item = QueueItem.of(item)
+            if item.prompt_id in running:
+                m = Member(0, item, {}, False)
+                tell(self.hub, m, "execution_error", msg.error(m.pid, "the server's worker failed; see its log",
+                                                               "RuntimeError"), keep=True)
+                self.end(m, msg.entry(item, {}, False, m.messages, {}))
 
 
 def done_line(prompt_id: str, entry: dict) -> str:
@@ -667,15 +440,6 @@ def done_line(prompt_id: str, entry: dict) -> str:
     outs = ", ".join(f"{n}: {len(ui.get('images', []))} image(s)" if ui.get("images") else n
                      for n, ui in (entry.get("outputs") or {}).items())
     return f"prompt {prompt_id} executed in {seconds:.2f} s; outputs {outs or 'none'}"
-
-
-def _entry(item: Item, ui: dict, ok: bool, messages: list, report: dict) -> dict:
-    """A ComfyUI /history entry."""
-    number, pid, prompt, extra, outputs = item[:5]
-    return {"prompt": [number, pid, prompt, extra, outputs], "outputs": ui,
-            "status": {"status_str": "success" if ok else "error", "completed": ok, "messages": messages},
-            "meta": {n: {"node_id": n, "display_node": n, "parent_node": None, "real_node_id": n} for n in ui},
-            "vramgraph": report}
 
 
 __all__ = ["MAX_BATCH", "PromptQueue", "Worker"]

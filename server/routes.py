@@ -18,6 +18,7 @@ from ..nodes.images import ImageTooLarge, open_image
 from . import formats
 from .bodies import BadRequest, id_list, json_error, prompt_request, read_json, read_object, sane_id
 from .hub import MAX_INCOMING, Hub, dumps, without_paths
+from .messages import QueueItem, executing
 from .queue import PromptQueue, Worker
 from .security import save_upload, uploaded_image_format, view_headers
 
@@ -95,9 +96,8 @@ class Routes:
             if self.worker.plan_message is not None and self.worker.client_id in (sid, None):
                 self.hub.send("vramgraph.plan", self.worker.plan_message, sid)
             if self.worker.client_id == sid and self.worker.last_node is not None:
-                self.hub.send("executing", {"node": self.worker.last_node, "display_node": self.worker.last_node,
-                                            "prompt_id": self.worker.plan_message and
-                                            self.worker.plan_message["prompt_id"]}, sid)
+                self.hub.send("executing", executing(self.worker.plan_message and self.worker.plan_message["prompt_id"],
+                                                     self.worker.last_node), sid)
             first = True
             async for msg in ws:
                 if msg.type == WSMsgType.ERROR:
@@ -150,7 +150,7 @@ class Routes:
             return admitted
         req, number, pid, check = admitted
         req.extra["create_time"] = int(time.time() * 1000)  # as ComfyUI: /api/jobs sorts by it
-        if not self.queue.put_new((number, pid, req.prompt, req.extra, list(check.outputs))):
+        if not self.queue.put_new(QueueItem(number, pid, req.prompt, req.extra, list(check.outputs))):
             return _duplicate(pid)
         self.hub.send("status", {"status": self.worker.status()})
         return web.json_response({"prompt_id": pid, "number": number, "node_errors": check.node_errors})

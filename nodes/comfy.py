@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..models import loading
 from .catalog import FOLDERS, ModelCatalog
-from .files import Folders, safe_name
+from .files import Folders, comfy_list, safe_name
 from .types import ModelInfo, Variant
 from .values import ModelHandle
 
@@ -248,20 +248,60 @@ class ComfyContext:
         self.release()
 
 
-def comfy_node(base: type, rt: ComfyRuntime) -> type:
-    """`base` as ComfyUI runs it: ComfyUI passes no VG_CONTEXT, so its FUNCTION gets a `ComfyContext` on `rt`,
-    released (models back to the CPU) when the node returns or raises. A node that takes no `vg` is `base` itself."""
+class ComfyFiles:
+    """Files as ComfyUI's folder_paths show them (nodes/files.py `Files`): what the pack's classes pass as `folders`
+    to INPUT_TYPES, VALIDATE_INPUTS and IS_CHANGED, which ComfyUI calls without one."""
+
+    inside_comfyui = True
+
+    def list(self, folder: str) -> list[str]:
+        return comfy_list(folder)
+
+    def resolve(self, folder: str, name: str) -> Path:
+        return comfy_folders().resolve(folder, name)
+
+
+def _with_files(base: type, name: str, files: ComfyFiles) -> classmethod | None:
+    """`base`'s class method `name` with `folders=files` given, its signature (which ComfyUI reads to choose the
+    inputs it passes VALIDATE_INPUTS) without `folders`; None where it takes no `folders`."""
+    method = getattr(base, name, None)
+    if method is None or "folders" not in inspect.signature(method).parameters:
+        return None
+    fn = method.__func__
+
+    def call(cls: type, *args: Any, **kwargs: Any) -> Any:
+        return fn(cls, *args, folders=files, **kwargs)
+
+    sig = inspect.signature(fn)
+    kept = [p for p in sig.parameters.values() if p.name != "folders"]
+    call.__signature__ = sig.replace(parameters=kept)  # type: ignore[attr-defined]
+    call.__name__ = call.__qualname__ = name
+    return classmethod(call)
+
+
+def comfy_node(base: type, rt: ComfyRuntime, files: ComfyFiles | None = None) -> type:
+    """`base` as ComfyUI runs it, the ComfyUI runtime passed in explicitly: its FUNCTION gets `vg=` a `ComfyContext`
+    on `rt`, released (models back to the CPU) when the node returns or raises, and its class methods get
+    `folders=` ComfyUI's files. A node that takes neither is `base` itself."""
+    files = files or ComfyFiles()
+    extra: dict[str, Any] = {}
     run = getattr(base, base.FUNCTION)
-    if "vg" not in inspect.signature(run).parameters:
+    if "vg" in inspect.signature(run).parameters:
+
+        @functools.wraps(run)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with ComfyContext(rt, type(self).__name__) as vg:
+                return run(self, *args, vg=vg, **kwargs)
+
+        extra[base.FUNCTION] = call
+    for name in ("INPUT_TYPES", "VALIDATE_INPUTS", "IS_CHANGED"):
+        method = _with_files(base, name, files)
+        if method is not None:
+            extra[name] = method
+    if not extra:
         return base
-
-    @functools.wraps(run)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with ComfyContext(rt, type(self).__name__) as vg:
-            return run(self, *args, vg=vg, **kwargs)
-
-    return type(base.__name__, (base,), {base.FUNCTION: call, "__module__": base.__module__,
-                                         "__qualname__": base.__qualname__, "__doc__": base.__doc__})
+    return type(base.__name__, (base,), {**extra, "__module__": base.__module__, "__qualname__": base.__qualname__,
+                                         "__doc__": base.__doc__})
 
 
 def comfy_nodes(classes: Mapping[str, type], rt: ComfyRuntime) -> dict[str, type]:

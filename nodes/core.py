@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from . import estimates
 from .catalog import header_refusal
 from .context import Context
-from .files import file_list, fingerprint
+from .files import Files, file_list, fingerprint
 from .types import (
     BOOLEAN,
     CLIP,
@@ -60,28 +60,23 @@ UPSCALE_METHODS = ["nearest-exact", "bilinear", "area", "bicubic", "lanczos"]
 HIDDEN = {"vg": "VG_CONTEXT"}
 
 
-def file_changed(folders: Any, folder: str, name: str) -> str:
-    """ComfyUI's IS_CHANGED value of a node that reads the file `name` in `folder`: its `fingerprint`. `folders`
-    None: inside ComfyUI, whose folder_paths say where files are. An unreadable file gets a value of its own (the
-    node then fails when it runs, so nothing is cached for it)."""
-    if folders is None:
-        from .comfy import comfy_folders
-
-        folders = comfy_folders()
+def file_changed(folders: Files, folder: str, name: str) -> str:
+    """ComfyUI's IS_CHANGED value of a node that reads the file `name` in `folder`: its `fingerprint`. An unreadable
+    file gets a value of its own (the node then fails when it runs, so nothing is cached for it)."""
     try:
         return fingerprint(folders.resolve(folder, name))
     except OSError as e:
         return f"unreadable: {e}"
 
 
-def file_check(folders: Any, folder: str, name: str) -> bool | str:
+def file_check(folders: Files | None, folder: str, name: str) -> bool | str:
     """A loader's VALIDATE_INPUTS answer for its file input: True, or why the file cannot load, from its header alone
     (a quantisation vramgraph does not run: the file, the layer and the format; nodes/catalog.py `header_refusal`).
-    `folders` None: inside ComfyUI, which skips its own list check for an input that VALIDATE_INPUTS names, so the
+    Inside ComfyUI, which skips its own list check for an input that VALIDATE_INPUTS names, and without folders, the
     name is checked against the folder's list here. An empty name (the input is linked, not a literal) passes."""
     if not name:
         return True
-    if folders is None and name not in file_list(None, folder):
+    if (folders is None or folders.inside_comfyui) and name not in file_list(folders, folder):
         return f"'{name}' is not in {folder}; choose one of the files listed there"
     return header_refusal(folders, folder, name) or True
 

@@ -271,7 +271,8 @@ def _validate(lora_name: str, folders: Any, **strengths: Any) -> bool | dict[str
     found = file_check(folders, FOLDER, lora_name)
     if found is not True:
         return {"lora_name": found}
-    if folders is not None and lora_name:  # the file's own check; its fit to the model is the estimate's
+    if folders is not None and not folders.inside_comfyui and lora_name:  # the file's own check (inside
+        # ComfyUI: when the node runs); its fit to the model is the estimate's
         from ..models import lora_format
 
         try:

@@ -108,6 +108,54 @@ def test_comfy_classes_pass_a_comfy_context(monkeypatch: pytest.MonkeyPatch) -> 
     (a, b, vg), = seen
     assert (a, b) == (1, 5) and vg.rt is rt and vg.name == "Node" and vg.released
     mapped = comfy_nodes(VG_NODES, rt)
-    assert set(mapped) == set(VG_NODES)
-    assert mapped["VGEmptyLatent"] is VG_NODES["VGEmptyLatent"]  # takes no context
+    assert set(mapped) == set(VG_NODES) and all(issubclass(mapped[k], VG_NODES[k]) for k in mapped)
     assert mapped["VGSampler"] is not VG_NODES["VGSampler"]
+
+    class Plain:
+        FUNCTION = "run"
+
+        def run(self, a: int) -> tuple:
+            return (a,)
+
+    assert comfy_node(Plain, rt) is Plain  # takes neither a context nor folders
+
+
+def test_comfy_classes_pass_comfyuis_files() -> None:
+    """INPUT_TYPES, VALIDATE_INPUTS and IS_CHANGED get `folders=` ComfyUI's files; the signature ComfyUI reads (to
+    choose the inputs it passes VALIDATE_INPUTS, and skip its own list check for them) has no `folders`."""
+    from vramgraph.nodes.comfy import ComfyFiles
+
+    calls: list[tuple] = []
+
+    class Loader:
+        FUNCTION = "load"
+
+        @classmethod
+        def INPUT_TYPES(cls, folders: object = None) -> dict:
+            calls.append(("types", folders))
+            return {"required": {}}
+
+        @classmethod
+        def VALIDATE_INPUTS(cls, file: str = "", folders: object = None) -> bool:
+            calls.append(("validate", file, folders))
+            return True
+
+        def load(self, file: str) -> tuple:
+            return (file,)
+
+    files = ComfyFiles()
+    wrapped = comfy_node(Loader, ComfyRuntime(), files)
+    assert wrapped.INPUT_TYPES() == {"required": {}} and wrapped.VALIDATE_INPUTS(file="a") is True
+    assert calls == [("types", files), ("validate", "a", files)]
+    assert inspect.getfullargspec(wrapped.VALIDATE_INPUTS).args == ["cls", "file"]
+    assert files.inside_comfyui and wrapped.load is Loader.load
+
+
+def test_only_the_pack_entry_imports_the_comfyui_side() -> None:
+    """No node module reaches for nodes/comfy.py (which imports the catalogue): the ComfyUI runtime comes in from the
+    pack's classes, so there is no catalog <-> comfy cycle, lazy imports included."""
+    for path in NODES.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = {node.module} if node.module else {a.name for a in node.names}
+                assert "comfy" not in names, f"{path.name}:{node.lineno}"

@@ -33,8 +33,10 @@ def __getattr__(name: str) -> Any:
         return Pipeline
     if name in ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"):
         from .nodes import VG_DISPLAY_NAMES, VG_NODES
+        from .nodes.comfy import comfy_nodes, runtime
 
-        globals().update(NODE_CLASS_MAPPINGS=dict(VG_NODES), NODE_DISPLAY_NAME_MAPPINGS=dict(VG_DISPLAY_NAMES))
+        globals().update(NODE_CLASS_MAPPINGS=comfy_nodes(VG_NODES, runtime()),
+                         NODE_DISPLAY_NAME_MAPPINGS=dict(VG_DISPLAY_NAMES))
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

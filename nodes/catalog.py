@@ -21,7 +21,7 @@ from ..models.gguf import GGUFError, type_from_name
 from ..models.gguf import builtin_bytes as gguf_bytes
 from ..models.headers import CheckpointError
 from ..models.quant import QuantError
-from .files import Folders, identity
+from .files import Files, Folders, identity
 from .types import ModelInfo
 
 KINDS = ("transformer", "text_encoder", "vae")
@@ -68,21 +68,19 @@ def builtin_bytes(kind: str, name: str, config: Any, dtype: str) -> int:
                for key, shape in family.parameter_shapes(config).items())
 
 
-def header_refusal(folders: Any, folder: str, name: str) -> str | None:
+def header_refusal(folders: Files | None, folder: str, name: str) -> str | None:
     """Why the model file (or checkpoint folder) `name` in `folder` cannot be loaded, from its header alone: a
     quantisation vramgraph does not run (`QuantError`: the file, the layer and the format) or a GGUF file that is
     damaged or not ours (`GGUFError`: the file and what is wrong), else None. The loader
     nodes' VALIDATE_INPUTS ask this, so such a file is refused at validation, not when the prompt runs. A file that
-    is absent (planning from the built-in specs) or unreadable is left to the loader (None). `folders` None: inside
-    ComfyUI (its folder_paths). Nothing is kept between calls: a header is read again at each validation (a few
-    milliseconds for a FLUX.2 transformer's 149 tensors), so a file replaced under the same name is judged anew."""
+    is absent (planning from the built-in specs) or unreadable, or no folders, leaves it to the loader (None).
+    Nothing is kept between calls: a header is read again at each validation (a few milliseconds for a FLUX.2
+    transformer's 149 tensors), so a file replaced under the same name is judged anew."""
+    if folders is None:
+        return None
     try:
-        if folders is None:
-            from .comfy import comfy_folders
-
-            folders = comfy_folders()
         path = folders.resolve(folder, name)
-    except (ImportError, OSError, ValueError):  # outside ComfyUI without folders; an absent or unreadable file
+    except (ImportError, OSError, ValueError):  # an absent or unreadable file; ComfyUI's folder_paths not there
         return None
     try:
         loading.inspect([path])

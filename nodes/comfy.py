@@ -1,7 +1,8 @@
 """Our nodes inside ComfyUI: the `vg` context built from ComfyUI's own services.
 
-ComfyUI passes no VG_CONTEXT hidden input (it does not know the type), so a node called with `vg=None`
-uses `context(node)`: a `ComfyContext` with the methods the nodes call on `vg`, backed by ComfyUI's
+ComfyUI passes no VG_CONTEXT hidden input (it does not know the type), so the classes registered with ComfyUI
+are `comfy_nodes(VG_NODES, runtime())`: each FUNCTION gets `vg=` a `ComfyContext` (nodes/context.py
+`Context`) on that runtime, passed in explicitly, backed by ComfyUI's
 `folder_paths` (files), `comfy.model_management` (device, memory, interruption) and
 `comfy.utils.ProgressBar` (the progress bar of the running node). Nothing here is imported by ComfyUI
 unless one of our nodes runs there, and nothing imports ComfyUI until then.
@@ -25,18 +26,21 @@ residency decisions are not used inside ComfyUI, where ComfyUI owns the GPU. The
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..models import loading
 from .catalog import FOLDERS, ModelCatalog
-from .files import Folders, safe_name
-from .types import ModelInfo
+from .files import Folders, comfy_list, safe_name
+from .types import ModelInfo, Variant
 from .values import ModelHandle
 
 if TYPE_CHECKING:
@@ -128,11 +132,12 @@ class ComfyContext:
     """What our nodes ask of `vg`, answered by ComfyUI (see the module docstring for the memory policy)."""
 
     variant = "gpu"
+    chosen: Variant | None = None  # ComfyUI has no plan
 
-    def __init__(self, node: Any = None, rt: ComfyRuntime | None = None) -> None:
-        self.rt = rt or runtime()
+    def __init__(self, rt: ComfyRuntime, name: str) -> None:
+        self.rt = rt
         self.rt.release()  # a previous node's models, if its context outlived it
-        self.name = type(node).__name__ if node is not None else "node"
+        self.name = name  # the node's class
         self.device = _mm().get_torch_device()
         self.dtype = _dtype(self.device)
         self.seed: int | None = None  # ComfyUI tells nodes nothing of their ancestors
@@ -154,6 +159,20 @@ class ComfyContext:
             self.rt.on_device = self._moved
         return module
 
+    def host_module(self, handle: ModelHandle) -> torch.nn.Module:
+        """The model's weights in host RAM (the runtime's cache; nothing streams inside ComfyUI, whose variant is
+        always "gpu", so this is only asked for by a node that computes on the CPU)."""
+        return self.rt.module(handle.info)
+
+    def host_weights(self, handle: ModelHandle) -> dict[str, torch.Tensor] | None:
+        return None  # LoRAs are applied on the fly inside ComfyUI: no merge to undo
+
+    def kept_blocks(self, handle: ModelHandle) -> None:
+        return None  # nothing stays on the GPU between nodes here
+
+    def resident_blocks(self, handle: ModelHandle) -> tuple[int, ...]:
+        return ()
+
     def tokenizer(self, handle: ModelHandle) -> PromptTokenizer:
         return self.rt.catalog.tokenizer(handle.tokenizer)
 
@@ -170,6 +189,10 @@ class ComfyContext:
         return self.rt.catalog.tokenizer_for(info)
 
     # -- files
+    @property
+    def folders(self) -> Folders:
+        return comfy_folders()
+
     def resolve(self, folder: str, name: str) -> Path:
         fp = _folder_paths()
         if folder == "input":
@@ -208,6 +231,11 @@ class ComfyContext:
     def check_interrupted(self) -> None:
         _mm().throw_exception_if_processing_interrupted()
 
+    @property
+    def preview(self) -> Callable[[torch.Tensor, int, int], None] | None:
+        return None  # ComfyUI draws its own step previews
+
+
     # -- lifetime
     def release(self) -> None:
         """Give the GPU back now (also done when the context is dropped)."""
@@ -220,9 +248,65 @@ class ComfyContext:
         self.release()
 
 
-def context(node: Any = None) -> ComfyContext:
-    """The `vg` of a node that ComfyUI runs (it passes none)."""
-    return ComfyContext(node)
+class ComfyFiles:
+    """Files as ComfyUI's folder_paths show them (nodes/files.py `Files`): what the pack's classes pass as `folders`
+    to INPUT_TYPES, VALIDATE_INPUTS and IS_CHANGED, which ComfyUI calls without one."""
+
+    inside_comfyui = True
+
+    def list(self, folder: str) -> list[str]:
+        return comfy_list(folder)
+
+    def resolve(self, folder: str, name: str) -> Path:
+        return comfy_folders().resolve(folder, name)
 
 
-__all__ = ["KEEP", "ComfyContext", "ComfyRuntime", "comfy_folders", "context", "runtime"]
+def _with_files(base: type, name: str, files: ComfyFiles) -> classmethod | None:
+    """`base`'s class method `name` with `folders=files` given, its signature (which ComfyUI reads to choose the
+    inputs it passes VALIDATE_INPUTS) without `folders`; None where it takes no `folders`."""
+    method = getattr(base, name, None)
+    if method is None or "folders" not in inspect.signature(method).parameters:
+        return None
+    fn = method.__func__
+
+    def call(cls: type, *args: Any, **kwargs: Any) -> Any:
+        return fn(cls, *args, folders=files, **kwargs)
+
+    sig = inspect.signature(fn)
+    kept = [p for p in sig.parameters.values() if p.name != "folders"]
+    call.__signature__ = sig.replace(parameters=kept)  # type: ignore[attr-defined]
+    call.__name__ = call.__qualname__ = name
+    return classmethod(call)
+
+
+def comfy_node(base: type, rt: ComfyRuntime, files: ComfyFiles | None = None) -> type:
+    """`base` as ComfyUI runs it, the ComfyUI runtime passed in explicitly: its FUNCTION gets `vg=` a `ComfyContext`
+    on `rt`, released (models back to the CPU) when the node returns or raises, and its class methods get
+    `folders=` ComfyUI's files. A node that takes neither is `base` itself."""
+    files = files or ComfyFiles()
+    extra: dict[str, Any] = {}
+    run = getattr(base, base.FUNCTION)
+    if "vg" in inspect.signature(run).parameters:
+
+        @functools.wraps(run)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with ComfyContext(rt, type(self).__name__) as vg:
+                return run(self, *args, vg=vg, **kwargs)
+
+        extra[base.FUNCTION] = call
+    for name in ("INPUT_TYPES", "VALIDATE_INPUTS", "IS_CHANGED"):
+        method = _with_files(base, name, files)
+        if method is not None:
+            extra[name] = method
+    if not extra:
+        return base
+    return type(base.__name__, (base,), {**extra, "__module__": base.__module__, "__qualname__": base.__qualname__,
+                                         "__doc__": base.__doc__})
+
+
+def comfy_nodes(classes: Mapping[str, type], rt: ComfyRuntime) -> dict[str, type]:
+    """The node classes registered in ComfyUI (NODE_CLASS_MAPPINGS), each bound to the process's runtime `rt`."""
+    return {name: comfy_node(cls, rt) for name, cls in classes.items()}
+
+
+__all__ = ["KEEP", "ComfyContext", "ComfyRuntime", "comfy_folders", "comfy_node", "comfy_nodes", "runtime"]

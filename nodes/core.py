@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import estimates
 from .catalog import header_refusal
-from .comfy import context as comfy_context
+from .context import Context
 from .declared import (
     CLIP_TYPES,
     COMFY_SAMPLERS,
@@ -25,7 +25,7 @@ from .declared import (
     refusal,
     tip,
 )
-from .files import file_list, fingerprint
+from .files import Files, file_list, fingerprint
 from .types import (
     BOOLEAN,
     CLIP,
@@ -70,28 +70,23 @@ UPSCALE_METHODS = ["nearest-exact", "bilinear", "area", "bicubic", "lanczos"]
 HIDDEN = {"vg": "VG_CONTEXT"}
 
 
-def file_changed(folders: Any, folder: str, name: str) -> str:
-    """ComfyUI's IS_CHANGED value of a node that reads the file `name` in `folder`: its `fingerprint`. `folders`
-    None: inside ComfyUI, whose folder_paths say where files are. An unreadable file gets a value of its own (the
-    node then fails when it runs, so nothing is cached for it)."""
-    if folders is None:
-        from .comfy import comfy_folders
-
-        folders = comfy_folders()
+def file_changed(folders: Files, folder: str, name: str) -> str:
+    """ComfyUI's IS_CHANGED value of a node that reads the file `name` in `folder`: its `fingerprint`. An unreadable
+    file gets a value of its own (the node then fails when it runs, so nothing is cached for it)."""
     try:
         return fingerprint(folders.resolve(folder, name))
     except OSError as e:
         return f"unreadable: {e}"
 
 
-def file_check(folders: Any, folder: str, name: str) -> bool | str:
+def file_check(folders: Files | None, folder: str, name: str) -> bool | str:
     """A loader's VALIDATE_INPUTS answer for its file input: True, or why the file cannot load, from its header alone
     (a quantisation vramgraph does not run: the file, the layer and the format; nodes/catalog.py `header_refusal`).
-    `folders` None: inside ComfyUI, which skips its own list check for an input that VALIDATE_INPUTS names, so the
+    Inside ComfyUI, which skips its own list check for an input that VALIDATE_INPUTS names, and without folders, the
     name is checked against the folder's list here. An empty name (the input is linked, not a literal) passes."""
     if not name:
         return True
-    if folders is None and name not in file_list(None, folder):
+    if (folders is None or folders.inside_comfyui) and name not in file_list(folders, folder):
         return f"'{name}' is not in {folder}; choose one of the files listed there"
     return header_refusal(folders, folder, name) or True
 
@@ -129,8 +124,7 @@ class UNETLoader:
     def IS_CHANGED(cls, unet_name: str, folders: Any = None, **_: Any) -> str:
         return file_changed(folders, "diffusion_models", unet_name)
 
-    def load_unet(self, unet_name: str, weight_dtype: str = "default", vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+    def load_unet(self, unet_name: str, weight_dtype: str = "default", *, vg: Context) -> tuple:
         return (ModelHandle(vg.model_info("transformer", unet_name, unet_weight_dtype(weight_dtype))),)
 
 
@@ -195,8 +189,7 @@ class CLIPLoader:
     def IS_CHANGED(cls, clip_name: str, folders: Any = None, **_: Any) -> str:
         return file_changed(folders, "text_encoders", clip_name)
 
-    def load_clip(self, clip_name: str, type: str = "flux2", device: str = "default", vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+    def load_clip(self, clip_name: str, type: str = "flux2", device: str = "default", *, vg: Context) -> tuple:
         info = vg.model_info("text_encoder", clip_name)
         return (ModelHandle(clip_placed(info, device), vg.tokenizer_for(info)),)
 
@@ -242,8 +235,7 @@ class VAELoader:
     def IS_CHANGED(cls, vae_name: str, folders: Any = None, **_: Any) -> str:
         return file_changed(folders, "vae", vae_name)
 
-    def load_vae(self, vae_name: str, vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+    def load_vae(self, vae_name: str, *, vg: Context) -> tuple:
         return (ModelHandle(vg.model_info("vae", vae_name)),)
 
 
@@ -270,11 +262,10 @@ class CLIPTextEncode:
         variants = with_lora_costs(clip, variants, TEXT_TOKENS, 1)
         return Cost((CondInfo(1, TEXT_TOKENS),), variants, host_bytes=TEXT_TOKENS * _context_dim(clip) * 4)
 
-    def encode(self, text: str, clip: ModelHandle, vg: Any = None) -> tuple:
+    def encode(self, text: str, clip: ModelHandle, *, vg: Context) -> tuple:
         from . import ops
         from .lora import applied
 
-        vg = vg or comfy_context(self)
         if vg.variant == "stream":
             with applied(vg, clip, vg.host_module(clip)) as m:
                 emb = ops.encode_text_streamed(m, vg.tokenizer(clip), [text], vg.device, vg.check_interrupted,
@@ -285,10 +276,9 @@ class CLIPTextEncode:
         return (conditioning(emb),)
 
 
-def _kept(vg: Any, handle: Any) -> Any:
+def _kept(vg: Context, handle: ModelHandle) -> Any:
     """Where the engine keeps a streamed model's resident part between nodes (None in a context without one)."""
-    kept = getattr(vg, "kept_blocks", None)
-    return kept(handle) if kept is not None else None
+    return vg.kept_blocks(handle)
 
 
 def _context_dim(clip: ModelInfo) -> int:
@@ -512,7 +502,7 @@ def _sampling_cost(model: ModelInfo, positive: CondInfo, negative: CondInfo | No
     return Cost(outputs, options, host_bytes=nbytes * len(outputs))
 
 
-def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: list, negative: list | None,
+def _sample(vg: Context, model: ModelHandle, noise: Noise, latent: dict, positive: list, negative: list | None,
             cfg: float, sigmas: list[float], sampler: str = "euler") -> tuple[dict, dict]:
     """(output, denoised output): the sampled latent and the last step's denoised estimate (ComfyUI's x0)."""
     import torch
@@ -529,7 +519,7 @@ def _sample(vg: Any, model: ModelHandle, noise: Noise, latent: dict, positive: l
             raise ValueError("the negative conditioning must carry the same reference latents as the positive "
                              "(apply the same ReferenceLatent nodes to both) when cfg != 1")
     sigmas = torch.tensor(sigmas, dtype=torch.float32).tolist()  # float32 as ComfyUI's SIGMAS, whichever node made them
-    shown = getattr(vg, "preview", None)
+    shown = vg.preview
     last: list = []
 
     def preview(x0: torch.Tensor, step: int, steps: int) -> None:
@@ -573,8 +563,7 @@ class SamplerCustomAdvanced:
                               model_calls(sampler, sigmas.steps), (latent_image, latent_image))
 
     def sample(self, noise: Noise, guider: Guider, sampler: Sampler, sigmas: torch.Tensor, latent_image: dict,
-               vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+               *, vg: Context) -> tuple:
         return _sample(vg, guider.model, noise, latent_image, guider.positive, guider.negative, guider.cfg,
                        sigmas.tolist(), sampler.name)
 
@@ -615,8 +604,7 @@ class KSampler:
                               (latent_image,))
 
     def sample(self, model: ModelHandle, seed: int, steps: int, cfg: float, sampler_name: str, scheduler: str,
-               positive: list, negative: list, latent_image: dict, denoise: float = 1.0, vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+               positive: list, negative: list, latent_image: dict, denoise: float = 1.0, *, vg: Context) -> tuple:
         sig = scheduled_sigmas(scheduler, steps, denoise)
         if len(sig) == 0:
             return (latent_image,)
@@ -640,10 +628,9 @@ class VAEDecode:
         image = ImageInfo(samples.batch, samples.height * 16, samples.width * 16)
         return Cost((image,), estimates.vae_decode(vae, samples), host_bytes=image_bytes(image))
 
-    def decode(self, samples: dict, vae: ModelHandle, vg: Any = None) -> tuple:
+    def decode(self, samples: dict, vae: ModelHandle, *, vg: Context) -> tuple:
         from . import ops
 
-        vg = vg or comfy_context(self)
         return (ops.vae_decode(vg.module(vae), samples["samples"], vg.variant, vg.check_interrupted),)
 
 
@@ -665,10 +652,9 @@ class VAEEncode:
         h, w = pixels.height // 16, pixels.width // 16
         return Cost((LatentInfo(pixels.batch, h, w),), (estimates.vae_encode(vae, pixels.batch, h * 16, w * 16),))
 
-    def encode(self, pixels: torch.Tensor, vae: ModelHandle, vg: Any = None) -> tuple:
+    def encode(self, pixels: torch.Tensor, vae: ModelHandle, *, vg: Context) -> tuple:
         from . import ops
 
-        vg = vg or comfy_context(self)
         return ({"samples": ops.vae_encode(vg.module(vae), pixels, vg.check_interrupted)},)
 
 
@@ -693,10 +679,9 @@ class LoadImage:
         again (and everything after it)."""
         return file_changed(folders, "input", image)
 
-    def load_image(self, image: str, vg: Any = None) -> tuple:
+    def load_image(self, image: str, *, vg: Context) -> tuple:
         from . import ops
 
-        vg = vg or comfy_context(self)
         return ops.load_image(str(vg.resolve("input", image)), vg.max_image_pixels)
 
 

@@ -15,6 +15,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import ClassVar, Protocol
 
 from ..models.paths import walk_files
 from .images import MAX_IMAGE_PIXELS
@@ -115,6 +116,7 @@ class Folders:
     extra: tuple[ExtraPath, ...] = ()  # extra_model_paths.yaml's folders (nodes/modelpaths.py)
     max_image_pixels: int = MAX_IMAGE_PIXELS  # images from outside larger than this are refused (nodes/images.py)
     loras: tuple[Path, ...] = ()  # extra folders of LoRA files (--lora PATH's folder)
+    inside_comfyui: ClassVar[bool] = False  # nodes/files.py `Files`
 
     def model_dirs(self, folder: str) -> list[Path]:
         """The existing folders searched for `folder`, in ComfyUI's order: extra folders of an `is_default` group
@@ -202,5 +204,18 @@ def comfy_checkpoint_roots() -> list[Path]:
     return roots
 
 
-def file_list(folders: Folders | None, folder: str) -> list[str]:
-    return folders.list(folder) if folders is not None else comfy_list(folder)
+class Files(Protocol):
+    """Where a node's class methods (INPUT_TYPES, VALIDATE_INPUTS, IS_CHANGED) find files: our `Folders`, or inside
+    ComfyUI nodes/comfy.py `ComfyFiles`, which the pack's classes pass explicitly (ComfyUI passes none)."""
+
+    @property
+    def inside_comfyui(self) -> bool: ...  # ComfyUI skips its list check for inputs VALIDATE_INPUTS names
+
+    def list(self, folder: str) -> list[str]: ...
+
+    def resolve(self, folder: str, name: str) -> Path: ...
+
+
+def file_list(folders: Files | None, folder: str) -> list[str]:
+    """What a file input offers: the files in `folder` (nothing without folders, e.g. INPUT_TYPES() for types)."""
+    return folders.list(folder) if folders is not None else []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .comfy import context as comfy_context
+from .context import Context
 from .core import HIDDEN, clip_check, clip_placed, file_changed, file_check
 from .declared import CLIP_TYPES
 from .files import file_list
@@ -62,8 +62,7 @@ class UnetLoaderGGUF:
         return file_changed(folders, "diffusion_models", unet_name)
 
     def load_unet(self, unet_name: str, dequant_dtype: str | None = None, patch_dtype: str | None = None,
-                  patch_on_device: bool | None = None, vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+                  patch_on_device: bool | None = None, *, vg: Context) -> tuple:
         return (ModelHandle(vg.model_info("transformer", unet_name, "default")),)
 
 
@@ -103,8 +102,7 @@ class CLIPLoaderGGUF:
     def IS_CHANGED(cls, clip_name: str, folders: Any = None, **_: Any) -> str:
         return file_changed(folders, "text_encoders", clip_name)
 
-    def load_clip(self, clip_name: str, type: str = "flux2", vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+    def load_clip(self, clip_name: str, type: str = "flux2", *, vg: Context) -> tuple:
         info = vg.model_info("text_encoder", clip_name)
         return (ModelHandle(info, vg.tokenizer_for(info)),)
 

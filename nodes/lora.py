@@ -26,10 +26,10 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .comfy import context as comfy_context
+from .context import Context
 from .core import file_changed, file_check
 from .declared import LORA_TIPS, tip
-from .files import file_list, identity
+from .files import Folders, file_list, identity
 from .types import CLIP, FLOAT, MODEL, VG_CLIP, VG_MODEL, Cost, LoraRef, ModelInfo, Variant
 from .values import ModelHandle
 
@@ -250,15 +250,14 @@ def _uses(info: ModelInfo) -> list:
 
 
 @contextlib.contextmanager
-def applied(vg: Any, handle: ModelHandle, module: Any) -> Iterator[Any]:
+def applied(vg: Context, handle: ModelHandle, module: Any) -> Iterator[Any]:
     """`module` with the handle's LoRA chain applied the way the plan chose for this node (none: a merge left by an
     earlier node is undone). Inside ComfyUI, which moves our modules between devices, always on the fly."""
     from ..models import lora
 
-    chosen = getattr(vg, "chosen", None)
-    mode = getattr(chosen, "lora_mode", "") or ("merged" if chosen is not None else "onthefly")
-    host = getattr(vg, "host_weights", None)
-    with lora.applied(module, _uses(handle.info), mode, host(handle) if host is not None else None):
+    chosen = vg.chosen
+    mode = (chosen.lora_mode if chosen is not None else "") or ("merged" if chosen is not None else "onthefly")
+    with lora.applied(module, _uses(handle.info), mode, vg.host_weights(handle)):
         yield module
 
 
@@ -273,7 +272,8 @@ def _validate(lora_name: str, folders: Any, **strengths: Any) -> bool | dict[str
     found = file_check(folders, FOLDER, lora_name)
     if found is not True:
         return {"lora_name": found}
-    if folders is not None and lora_name:  # the file's own check; its fit to the model is the estimate's
+    if folders is not None and not folders.inside_comfyui and lora_name:  # the file's own check (inside
+        # ComfyUI: when the node runs); its fit to the model is the estimate's
         from ..models import lora_format
 
         try:
@@ -313,8 +313,7 @@ class LoraLoaderModelOnly:
         return Cost((_on_model(env, model, lora_name, strength_model),))
 
     def load_lora_model_only(self, model: ModelHandle, lora_name: str, strength_model: float = 1.0,
-                             vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+                             *, vg: Context) -> tuple:
         info = _on_model(_Env(vg), model.info, lora_name, strength_model)
         return (dataclasses.replace(model, info=info),)
 
@@ -338,16 +337,11 @@ def _on_clip(env: Any, clip: ModelInfo, model: ModelInfo | None, name: str, stre
 class _Env:
     """A running node's context seen as an estimate's env: where loras/ is."""
 
-    vg: Any
+    vg: Context
 
     @property
-    def folders(self) -> Any:
-        folders = getattr(getattr(self.vg, "engine", None), "folders", None)
-        if folders is None:
-            from .comfy import comfy_folders
-
-            folders = comfy_folders()
-        return folders
+    def folders(self) -> Folders:
+        return self.vg.folders
 
 
 class LoraLoader(LoraLoaderModelOnly):
@@ -377,8 +371,7 @@ class LoraLoader(LoraLoaderModelOnly):
                      _on_clip(env, clip, model, lora_name, strength_clip)))
 
     def load_lora(self, model: ModelHandle, clip: ModelHandle, lora_name: str, strength_model: float = 1.0,
-                  strength_clip: float = 1.0, vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+                  strength_clip: float = 1.0, *, vg: Context) -> tuple:
         env = _Env(vg)
         return (dataclasses.replace(model, info=_on_model(env, model.info, lora_name, strength_model)),
                 dataclasses.replace(clip, info=_on_clip(env, clip.info, model.info, lora_name, strength_clip)))

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .comfy import context as comfy_context
+from .context import Context
 from .declared import SAVE_PREFIX_TIP
 from .types import IMAGE, STRING, Cost
 
@@ -114,8 +114,7 @@ class SaveImage:
         return Cost((images,))
 
     def save_images(self, images: torch.Tensor, filename_prefix: str = "ComfyUI", prompt: Any = None,
-                    extra_pnginfo: dict | None = None, vg: Any = None) -> dict:
-        vg = vg or comfy_context(self)
+                    extra_pnginfo: dict | None = None, *, vg: Context) -> dict:
         root = vg.output_dir if self.KIND == "output" else vg.temp_dir
         results = save_images(images, root, filename_prefix, self.KIND, prompt, extra_pnginfo, vg.seed)
         return {"ui": {"images": results}, "result": (images,)}
@@ -139,5 +138,5 @@ class PreviewImage(SaveImage):
         return Cost((images,))
 
     def save_images(self, images: torch.Tensor, filename_prefix: str = "ComfyUI", prompt: Any = None,
-                    extra_pnginfo: dict | None = None, vg: Any = None) -> dict:
-        return super().save_images(images, filename_prefix + self.prefix_append, prompt, extra_pnginfo, vg)
+                    extra_pnginfo: dict | None = None, *, vg: Context) -> dict:
+        return super().save_images(images, filename_prefix + self.prefix_append, prompt, extra_pnginfo, vg=vg)

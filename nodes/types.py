@@ -227,22 +227,3 @@ class EstimateEnv(Protocol):
     @property
     def compute_dtype(self) -> str: ...
 
-
-class RunContext(Protocol):
-    """What a running node may ask of the engine. ComfyUI does not pass one; our nodes then run alone."""
-
-    variant: str  # the name of the Variant the plan chose for this node
-
-    def module(self, model: Any) -> Any: ...  # the loaded torch module where the plan placed it
-
-    def resolve(self, folder: str, name: str) -> Any: ...  # a file in models/ or input/
-
-    @property
-    def max_image_pixels(self) -> int: ...  # images read from files larger than this are refused (nodes/images.py)
-
-    def progress(self, value: int, total: int) -> None: ...
-
-    def check_interrupted(self) -> None: ...
-
-    @property
-    def output_dir(self) -> Any: ...

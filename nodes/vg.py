@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import core
-from .comfy import context as comfy_context
+from .context import Context
 from .files import file_list
 from .output import PreviewImage, SaveImage
 from .types import (
@@ -60,8 +60,7 @@ class VGLoadCheckpoint:
     def IS_CHANGED(cls, checkpoint: str, folders: Any = None, **_: Any) -> str:
         return core.file_changed(folders, "checkpoints", checkpoint)
 
-    def load(self, checkpoint: str, vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+    def load(self, checkpoint: str, *, vg: Context) -> tuple:
         tr, te, vae = vg.checkpoint_infos(checkpoint)
         return (ModelHandle(tr), ModelHandle(te, vg.tokenizer_for(te)), ModelHandle(vae))
 
@@ -73,8 +72,7 @@ def _file_loader(name: str, kind: str, folder: str, io: str, doc: str) -> type:
     def estimate(cls: type, env: Any, file: str) -> Cost:
         return Cost((env.model_info(kind, file),))
 
-    def load(self: Any, file: str, vg: Any = None) -> tuple:
-        vg = vg or comfy_context(self)
+    def load(self: Any, file: str, *, vg: Context) -> tuple:
         info = vg.model_info(kind, file)
         return (ModelHandle(info, vg.tokenizer_for(info) if kind == "text_encoder" else None),)
 
@@ -111,8 +109,8 @@ class VGTextEncode(core.CLIPTextEncode):
     def vg_estimate(cls, env: Any, text_encoder: ModelInfo, text: Any) -> Cost:
         return super().vg_estimate(env, text, text_encoder)
 
-    def encode(self, text_encoder: ModelHandle, text: str, vg: Any = None) -> tuple:
-        return super().encode(text, text_encoder, vg)
+    def encode(self, text_encoder: ModelHandle, text: str, *, vg: Context) -> tuple:
+        return super().encode(text, text_encoder, vg=vg)
 
 
 class VGEmptyLatent(core.EmptyFlux2LatentImage):
@@ -145,10 +143,9 @@ class VGSampler:
         return core._sampling_cost(model, positive, negative, guidance, latent, steps, (latent,))
 
     def sample(self, model: ModelHandle, positive: list, latent: dict, seed: int, steps: int, guidance: float,
-               negative: list | None = None, vg: Any = None) -> tuple:
+               negative: list | None = None, *, vg: Context) -> tuple:
         from ..models.sampling import sigmas
 
-        vg = vg or comfy_context(self)
         h, w = latent["samples"].shape[2:]
         sig = sigmas(steps, h * w)
         return (core._sample(vg, model, Noise(seed), latent, positive, negative, guidance, sig)[0],)
@@ -182,11 +179,10 @@ class VGReferenceImage:
         return Cost((CondInfo(conditioning.batch, conditioning.tokens, refs),),
                     (core.estimates.vae_encode(vae, 1, h, w),))
 
-    def reference(self, conditioning: list, vae: ModelHandle, image: Any, vg: Any = None) -> tuple:
+    def reference(self, conditioning: list, vae: ModelHandle, image: Any, *, vg: Context) -> tuple:
         from ..models.sampling import prepare_reference
         from . import ops
 
-        vg = vg or comfy_context(self)
         module = vg.module(vae)
         for pil in ops.to_pil(image):
             pixels = prepare_reference(pil)

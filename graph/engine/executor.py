@@ -122,7 +122,8 @@ class RunResult:
 
 
 class NodeContext:
-    """What a running node may ask of the engine (the `vg` hidden input)."""
+    """What a running node may ask of the engine (the `vg` hidden input): nodes/context.py `Context`, answered by
+    the plan (where each model lives for this node's variant)."""
 
     def __init__(self, engine: Engine, node: str, class_type: str, variant: str, seed: int | None,
                  events: Events, chosen: Variant | None = None, blocks: planner.BlockPlan | None = None) -> None:
@@ -176,6 +177,10 @@ class NodeContext:
 
     def tokenizer_for(self, info: ModelInfo) -> Path | None:
         return self.engine.catalog.tokenizer_for(info)
+
+    @property
+    def folders(self) -> Folders:
+        return self.engine.folders
 
     def resolve(self, folder: str, name: str) -> Path:
         return self.engine.folders.resolve(folder, name)

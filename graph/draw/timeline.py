@@ -246,6 +246,94 @@ _STYLE = ("<style>.vg-timeline rect.col.current{fill:#ffe08a}.vg-timeline .pendi
           ".vg-timeline text.current{fill:#8a5a00}</style>")
 
 
+class _Layout:
+    """Where everything of one plan's picture goes: the columns, the memory scale, the widths, and (once the heading
+    is drawn, `place`) the heights of the plot, the lanes and the step labels."""
+
+    def __init__(self, plan: Plan, title: str, card: int | None, prompt: Mapping[str, Any] | None) -> None:
+        self.n = n = len(plan.steps)
+        self.order = order = _model_order(plan)
+        self.colour: dict[str, str] = {}
+        for m in order:  # one colour per label: two keys with one label share it
+            self.colour.setdefault(plan.label(m), _PALETTE[len(self.colour) % len(_PALETTE)])
+        seen: Counter[str] = Counter()
+        self.lane_names = []
+        for m in order:
+            seen[plan.label(m)] += 1
+            k = seen[plan.label(m)]
+            self.lane_names.append(f"{plan.label(m)}{f' ({k})' if k > 1 else ''} · {size_text(plan.models[m].nbytes)}")
+        self._columns(plan)
+        self._scale(plan)
+        # widths: the left column holds the lane labels, the axis and the "steps" caption
+        self.left = math.ceil(max(PAD + 14 + 4 + max((text_width(t, FS) for t in self.lane_names), default=0) + GAP,
+                                  PAD + self.line_h + GAP + self.tick_w + 4 + GAP,
+                                  PAD + text_width("steps", FS) + GAP, 80))
+        self.plot_w = self.col * max(n, 1)
+        width = self.left + self.plot_w + math.ceil(GAP + text_width(self.budget_label, FS) + PAD)
+        self._heading(plan, title, card, prompt)
+        self.width = math.ceil(max(width, 2 * PAD + max(text_width(p, FS_TITLE, True) for p in self.heading),
+                                   2 * PAD + max(text_width(p, FS) for p in self.totals), 2 * PAD + max(self.key_w)))
+        self.inner = self.width - 2 * PAD
+
+    def _columns(self, plan: Plan) -> None:
+        """One column per step, wide enough for its label written across, or narrow with the label turned."""
+        self.labels = [_step_label(plan, i) for i in range(self.n)]
+        self.label_w = max((text_width(t, FS) for t, _ in self.labels), default=0.0)
+        self.line_h = (ASCENT + DESCENT) * FS
+        self.horizontal = (self.n * (self.label_w + 2 * GAP) <= PLOT_W and self.label_w + 2 * GAP <= COL_WIDE)
+        if self.horizontal:
+            self.col = max(COL_MIN, math.ceil(self.label_w + 2 * GAP))
+        else:
+            self.col = max(COL_MIN, min(COL_MAX, PLOT_W // max(self.n, 1)), math.ceil(self.line_h + 4))
+
+    def _scale(self, plan: Plan) -> None:
+        """The memory scale: up to the budget, or zoomed in on the peak when it is under a quarter of it."""
+        self.budget, self.peak = budget, peak = plan.budget.gpu, plan.peak
+        self.zoomed = 0 < peak < budget / 4
+        self.top_bytes = top = peak * 1.15 if self.zoomed else max(budget, peak, 1) * 1.05
+        self.unit, unit_name = next(((u, nm) for u, nm in ((GiB, "GiB"), (2**20, "MiB")) if top >= 2 * u),
+                                    (1024, "KiB"))
+        self.step = _nice_step(top / self.unit, PLOT_H // 24)
+        self.ticks = [k * self.step for k in range(int(top / self.unit / self.step + 1e-9) + 1)]
+        self.tick_w = max(text_width(_num(t, self.step), FS) for t in self.ticks)
+        self.axis_title = f"GPU memory ({unit_name})"
+        self.plot_h = max(PLOT_H, math.ceil(text_width(self.axis_title, FS)) + 10)
+        self.budget_label = f"budget {size_text(budget)}" + (" (above this scale)" if self.zoomed else "")
+
+    def _heading(self, plan: Plan, title: str, card: int | None, prompt: Mapping[str, Any] | None) -> None:
+        """The title line, the totals line and the key's entries."""
+        budget = self.budget
+        self.heading = [p for p in (title.removesuffix(".json"), f"{card_text(card)} card" if card else
+                                    f"{size_text(budget)} budget", image_sizes(prompt)) if p]
+        unloads = sum(1 for s in plan.steps if isinstance(s.step, Unload))
+        self.totals = [f"budget {size_text(budget)}", f"peak {size_text(self.peak)}",
+                       f"{plan.loads} loads ({size_text(plan.bytes_moved)} moved), {unloads} unloads",
+                       *([f"{size_text(plan.streamed_bytes)} streamed"] if plan.streamed_bytes else []),
+                       f"{plan.seconds:.2f} s predicted"]
+        self.key = [("gpu", "on the GPU"), ("host", "pinned copy in host RAM")]
+        if any(s.streams for s in plan.steps):
+            self.key.append(("stream", "streamed from host RAM"))
+        if any(part_of(m) for s in plan.steps for m in s.resident):
+            self.key.append(("kept", "its kept part on the GPU"))
+        self.key += [("load", "load"), ("unload", "unload"), ("activation", "activations"), ("budget", "budget")]
+        self.key_w = [14 + 4 + text_width(t, FS) for _, t in self.key]
+
+    def place(self, y: float) -> None:
+        """The vertical layout below the heading, which ends at `y`."""
+        self.top = y + FS  # room for the top tick's label and the budget label above the plot
+        self.bottom = self.top + self.plot_h
+        self.lanes_top = self.bottom + FS + 4
+        self.labels_top = self.lanes_top + len(self.order) * (LANE_H + LANE_GAP) + 4
+        self.labels_h = self.line_h if self.horizontal else self.label_w
+        self.height = math.ceil(self.labels_top + self.labels_h + PAD)
+
+    def ypx(self, nbytes: float) -> float:
+        return self.bottom - self.plot_h * nbytes / self.top_bytes
+
+    def cx(self, i: int) -> float:
+        return self.left + i * self.col + self.col / 2
+
+
 def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt: Mapping[str, Any] | None = None
                  ) -> str:
     """The plan's picture as an SVG document (see the module docstring).
@@ -253,147 +341,99 @@ def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt
     `title`: the workflow's name; `card`: the card size the budget was made for (--vram), if any; `prompt`: the
     API-format prompt planned, for the image sizes in the title.
     """
-    n = len(plan.steps)
-    order = _model_order(plan)
-    colour: dict[str, str] = {}
-    for m in order:  # one colour per label: two keys with one label share it
-        colour.setdefault(plan.label(m), _PALETTE[len(colour) % len(_PALETTE)])
-    seen: Counter[str] = Counter()
-    lane_names = []
-    for m in order:
-        seen[plan.label(m)] += 1
-        k = seen[plan.label(m)]
-        lane_names.append(f"{plan.label(m)}{f' ({k})' if k > 1 else ''} · {size_text(plan.models[m].nbytes)}")
-
-    # ---- columns and step labels
-    labels = [_step_label(plan, i) for i in range(n)]
-    label_w = max((text_width(t, FS) for t, _ in labels), default=0.0)
-    line_h = (ASCENT + DESCENT) * FS
-    horizontal = n * (label_w + 2 * GAP) <= PLOT_W and label_w + 2 * GAP <= COL_WIDE
-    if horizontal:
-        col = max(COL_MIN, math.ceil(label_w + 2 * GAP))
-    else:
-        col = max(COL_MIN, min(COL_MAX, PLOT_W // max(n, 1)), math.ceil(line_h + 4))
-
-    # ---- the memory scale
-    budget, peak = plan.budget.gpu, plan.peak
-    zoomed = 0 < peak < budget / 4
-    top_bytes = peak * 1.15 if zoomed else max(budget, peak, 1) * 1.05
-    unit, unit_name = next(((u, nm) for u, nm in ((GiB, "GiB"), (2**20, "MiB")) if top_bytes >= 2 * u), (1024, "KiB"))
-    step = _nice_step(top_bytes / unit, PLOT_H // 24)
-    ticks = [k * step for k in range(int(top_bytes / unit / step + 1e-9) + 1)]
-    tick_w = max(text_width(_num(t, step), FS) for t in ticks)
-    axis_title = f"GPU memory ({unit_name})"
-    plot_h = max(PLOT_H, math.ceil(text_width(axis_title, FS)) + 10)
-    budget_label = f"budget {size_text(budget)}" + (" (above this scale)" if zoomed else "")
-
-    # ---- widths: the left column holds the lane labels, the axis and the "steps" caption
-    left = math.ceil(max(PAD + 14 + 4 + max((text_width(t, FS) for t in lane_names), default=0) + GAP,
-                         PAD + line_h + GAP + tick_w + 4 + GAP,
-                         PAD + text_width("steps", FS) + GAP, 80))
-    plot_w = col * max(n, 1)
-    right = math.ceil(GAP + text_width(budget_label, FS) + PAD)
-    width = left + plot_w + right
-
-    heading = [p for p in (title.removesuffix(".json"), f"{card_text(card)} card" if card else
-                           f"{size_text(budget)} budget", image_sizes(prompt)) if p]
-    unloads = sum(1 for s in plan.steps if isinstance(s.step, Unload))
-    totals = [f"budget {size_text(budget)}", f"peak {size_text(peak)}",
-              f"{plan.loads} loads ({size_text(plan.bytes_moved)} moved), {unloads} unloads",
-              *([f"{size_text(plan.streamed_bytes)} streamed"] if plan.streamed_bytes else []),
-              f"{plan.seconds:.2f} s predicted"]
-    key = [("gpu", "on the GPU"), ("host", "pinned copy in host RAM")]
-    if any(s.streams for s in plan.steps):
-        key.append(("stream", "streamed from host RAM"))
-    if any(part_of(m) for s in plan.steps for m in s.resident):
-        key.append(("kept", "its kept part on the GPU"))
-    key += [("load", "load"), ("unload", "unload"), ("activation", "activations"), ("budget", "budget")]
-    key_w = [14 + 4 + text_width(t, FS) for _, t in key]
-    width = math.ceil(max(width, 2 * PAD + max(text_width(p, FS_TITLE, True) for p in heading),
-                          2 * PAD + max(text_width(p, FS) for p in totals), 2 * PAD + max(key_w)))
-    inner = width - 2 * PAD
-
+    lay = _Layout(plan, title, card, prompt)
     out: list[str] = []
+    lay.place(_draw_heading(lay, out))
+    held = [_on_gpu(plan, s) for s in plan.steps]
+    out.insert(0, _draw_columns(plan, lay))
+    out += _draw_axis(lay)
+    out += _draw_bars(plan, lay, held)
+    out += _draw_lanes(plan, lay, held)
+    out += _draw_step_labels(lay)
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" class="vg-timeline" width="{lay.width}" height="{lay.height}" '
+            f'viewBox="0 0 {lay.width} {lay.height}" font-family="{FONT}" font-size="{FS}" fill="#222">{_STYLE}'
+            f'<rect class="background" width="{lay.width}" height="{lay.height}" fill="white"/>')
+    return "\n".join([head, *out, "</svg>"])
+
+
+def _draw_heading(lay: _Layout, out: list[str]) -> float:
+    """The title, the totals and the key, in rows; returns where they end."""
     y = PAD
-    for line in _wrap(heading, FS_TITLE, inner, True):
+    for line in _wrap(lay.heading, FS_TITLE, lay.inner, True):
         out.append(_text(PAD, y + ASCENT * FS_TITLE, line, FS_TITLE, extra=' font-weight="bold" class="title"'))
         y += 1.3 * FS_TITLE
-    for line in _wrap(totals, FS, inner):
+    for line in _wrap(lay.totals, FS, lay.inner):
         out.append(_text(PAD, y + ASCENT * FS, line, extra=' fill="#444" class="totals"'))
         y += 1.3 * FS
     y += 4
     x = PAD
-    for (kind, text), w in zip(key, key_w, strict=True):  # the key, in rows
-        if x > PAD and x + w > PAD + inner:
+    for (kind, text), w in zip(lay.key, lay.key_w, strict=True):
+        if x > PAD and x + w > PAD + lay.inner:
             x, y = PAD, y + 18
         out.append(f'<g class="key {kind}">{_key_symbol(kind, x, y + 3)}{_text(x + 18, y + 3 + 5 + 0.35 * FS, text)}'
                    "</g>")
         x += w + 16
-    y += 18 + 10
+    return y + 18 + 10
 
-    # ---- vertical layout of the rest
-    top = y + FS  # room for the top tick's label and the budget label above the plot
-    bottom = top + plot_h
-    lanes_top = bottom + FS + 4
-    lanes_bottom = lanes_top + len(order) * (LANE_H + LANE_GAP)
-    labels_top = lanes_bottom + 4
-    labels_h = line_h if horizontal else label_w
-    height = math.ceil(labels_top + labels_h + PAD)
 
-    def ypx(nbytes: float) -> float:
-        return bottom - plot_h * nbytes / top_bytes
-
-    def cx(i: int) -> float:
-        return left + i * col + col / 2
-
-    # step columns: tinted for loads and unloads, striped otherwise; the page colours the running one
+def _draw_columns(plan: Plan, lay: _Layout) -> str:
+    """Step columns: tinted for loads and unloads, striped otherwise; the page colours the running one."""
     cols = []
     for i, s in enumerate(plan.steps):
         fill = {"load": "#e8f4e8", "unload": "#fae8e6"}.get(s.step.kind, "#f4f5f7" if i % 2 else "#ffffff")
         name, what, how = plan.describe(s)
         tip = f"{i + 1}. {name} {what} [{how}]: {size_text(s.gpu_bytes)} on the GPU" + (f"; {s.note}" if s.note else "")
-        cols.append(f'<rect class="col {s.step.kind}" id="vg-step-{i}" data-step="{i}" x="{left + i * col}" y="{top}" '
-                    f'width="{col}" height="{labels_top + labels_h - top:.1f}" fill="{fill}">'
-                    f"<title>{escape(tip, quote=False)}</title></rect>")
-    out.insert(0, f'<g class="columns">{"".join(cols)}</g>')
+        cols.append(f'<rect class="col {s.step.kind}" id="vg-step-{i}" data-step="{i}" x="{lay.left + i * lay.col}" '
+                    f'y="{lay.top}" width="{lay.col}" height="{lay.labels_top + lay.labels_h - lay.top:.1f}" '
+                    f'fill="{fill}"><title>{escape(tip, quote=False)}</title></rect>')
+    return f'<g class="columns">{"".join(cols)}</g>'
 
-    # y axis
-    for t in ticks:
-        ty = ypx(t * unit)
-        out.append(f'<line x1="{left - 4}" x2="{left + plot_w}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#000" '
+
+def _draw_axis(lay: _Layout) -> list[str]:
+    """The y axis: grid lines, tick labels and the axis title."""
+    out = []
+    for t in lay.ticks:
+        ty = lay.ypx(t * lay.unit)
+        out.append(f'<line x1="{lay.left - 4}" x2="{lay.left + lay.plot_w}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#000" '
                    f'stroke-opacity="{0.6 if t == 0 else 0.08}"/>')
-        out.append(_text(left - 4 - GAP, ty + 0.35 * FS, _num(t, step), anchor="end", extra=' class="tick"'))
-    ay, ax = (top + bottom) / 2, PAD + ASCENT * FS
-    out.append(_text(ax, ay, axis_title, anchor="middle", extra=f' transform="rotate(-90 {ax:.1f} {ay:.1f})" '
-                                                                'class="axis"'))
+        out.append(_text(lay.left - 4 - GAP, ty + 0.35 * FS, _num(t, lay.step), anchor="end", extra=' class="tick"'))
+    ay, ax = (lay.top + lay.bottom) / 2, PAD + ASCENT * FS
+    out.append(_text(ax, ay, lay.axis_title, anchor="middle",
+                     extra=f' transform="rotate(-90 {ax:.1f} {ay:.1f})" class="axis"'))
+    return out
 
-    # stacked bars, one group per model, then the activations
-    base = [0] * n
-    held = [_on_gpu(plan, s) for s in plan.steps]
-    for m in order:
+
+def _draw_bars(plan: Plan, lay: _Layout, held: list[dict[str, int]]) -> list[str]:
+    """Stacked bars, one group per model, then the activations and the budget line."""
+    out = []
+    base = [0] * lay.n
+    for m in lay.order:
         rects = []
-        for i in range(n):
+        for i in range(lay.n):
             if m in held[i]:
                 nb = held[i][m]
-                y0, y1 = ypx(base[i] + nb), ypx(base[i])
-                rects.append(f'<rect data-step="{i}" x="{left + i * col + 2}" y="{min(y0, y1 - 1):.1f}" '
-                             f'width="{col - 4}" height="{max(1.0, y1 - y0):.1f}"/>')
+                y0, y1 = lay.ypx(base[i] + nb), lay.ypx(base[i])
+                rects.append(f'<rect data-step="{i}" x="{lay.left + i * lay.col + 2}" y="{min(y0, y1 - 1):.1f}" '
+                             f'width="{lay.col - 4}" height="{max(1.0, y1 - y0):.1f}"/>')
                 base[i] += nb
-        out.append(f'<g class="band" data-model="{escape(m)}" fill="{colour[plan.label(m)]}">{"".join(rects)}</g>')
+        out.append(f'<g class="band" data-model="{escape(m)}" fill="{lay.colour[plan.label(m)]}">{"".join(rects)}</g>')
     acts = []
     for i, s in enumerate(plan.steps):
         act = s.gpu_bytes - base[i] if isinstance(s.step, Run) else 0
         if act > 0:
-            y0, y1 = ypx(base[i] + act), ypx(base[i])
-            acts.append(f'<rect data-step="{i}" x="{left + i * col + 2}" y="{min(y0, y1 - 1):.1f}" width="{col - 4}" '
-                        f'height="{max(1.0, y1 - y0):.1f}"/>')
+            y0, y1 = lay.ypx(base[i] + act), lay.ypx(base[i])
+            acts.append(f'<rect data-step="{i}" x="{lay.left + i * lay.col + 2}" y="{min(y0, y1 - 1):.1f}" '
+                        f'width="{lay.col - 4}" height="{max(1.0, y1 - y0):.1f}"/>')
     out.append(f'<g class="activation" fill="{_ACTIVATION}" fill-opacity="0.75">{"".join(acts)}</g>')
-    by = top if zoomed else ypx(budget)
-    out.append(f'<line class="budget" x1="{left}" x2="{left + plot_w}" y1="{by:.1f}" y2="{by:.1f}" stroke="black" '
-               'stroke-width="1.5" stroke-dasharray="6 3"/>')
-    out.append(_text(left + plot_w + GAP, by + 0.35 * FS, budget_label, extra=' class="budget-label"'))
+    by = lay.top if lay.zoomed else lay.ypx(lay.budget)
+    out.append(f'<line class="budget" x1="{lay.left}" x2="{lay.left + lay.plot_w}" y1="{by:.1f}" y2="{by:.1f}" '
+               'stroke="black" stroke-width="1.5" stroke-dasharray="6 3"/>')
+    out.append(_text(lay.left + lay.plot_w + GAP, by + 0.35 * FS, lay.budget_label, extra=' class="budget-label"'))
+    return out
 
-    # lanes: one per model
+
+def _lane_states(plan: Plan, order: list[str], held: list[dict[str, int]]) -> list[list[str]]:
+    """Per model, per step: on the GPU, its kept part, streamed, a pinned host copy, or nothing."""
     pinned = set(plan.start.pinned)
     states: list[list[str]] = [[] for _ in order]
     for i, s in enumerate(plan.steps):
@@ -403,46 +443,54 @@ def timeline_svg(plan: Plan, title: str = "", *, card: int | None = None, prompt
         for k, m in enumerate(order):
             states[k].append("gpu" if m in s.resident else "kept" if m in held[i] else
                              "stream" if m in s.streams else "host" if m in pinned else "none")
-    for k, m in enumerate(order):
-        ly = lanes_top + k * (LANE_H + LANE_GAP)
-        c = colour[plan.label(m)]
-        cells = [f'<rect x="{left}" y="{ly + LANE_H / 2 - 0.5}" width="{plot_w}" height="1" fill="#c8c8c8"/>']
-        for i, st in enumerate(states[k]):
-            x0 = left + i * col
-            if st == "gpu":
-                cells.append(f'<rect data-step="{i}" x="{x0}" y="{ly + 1}" width="{col}" height="{LANE_H - 2}" '
-                             f'fill="{c}"/>')
-            elif st == "kept":
-                cells.append(f'<rect data-step="{i}" x="{x0}" y="{ly + LANE_H / 2}" width="{col}" '
-                             f'height="{LANE_H / 2 - 1}" fill="{c}"/>')
-            elif st == "host":
-                cells.append(f'<rect data-step="{i}" x="{x0}" y="{ly + LANE_H / 2 - 2}" width="{col}" height="4" '
-                             f'fill="{c}" fill-opacity="0.5"/>')
-            elif st == "stream":
-                cells.append(f'<rect data-step="{i}" x="{x0 + 1.5}" y="{ly + 1.5}" width="{col - 3}" '
-                             f'height="{LANE_H - 3}" fill="white" stroke="{c}" stroke-width="1.5" '
-                             'stroke-dasharray="3 2"/>')
+    return states
+
+
+def _lane_cell(state: str, i: int, x0: float, ly: float, col: int, c: str) -> str | None:
+    """One step's cell of a model's lane."""
+    if state == "gpu":
+        return f'<rect data-step="{i}" x="{x0}" y="{ly + 1}" width="{col}" height="{LANE_H - 2}" fill="{c}"/>'
+    if state == "kept":
+        return (f'<rect data-step="{i}" x="{x0}" y="{ly + LANE_H / 2}" width="{col}" height="{LANE_H / 2 - 1}" '
+                f'fill="{c}"/>')
+    if state == "host":
+        return (f'<rect data-step="{i}" x="{x0}" y="{ly + LANE_H / 2 - 2}" width="{col}" height="4" '
+                f'fill="{c}" fill-opacity="0.5"/>')
+    if state == "stream":
+        return (f'<rect data-step="{i}" x="{x0 + 1.5}" y="{ly + 1.5}" width="{col - 3}" height="{LANE_H - 3}" '
+                f'fill="white" stroke="{c}" stroke-width="1.5" stroke-dasharray="3 2"/>')
+    return None
+
+
+def _draw_lanes(plan: Plan, lay: _Layout, held: list[dict[str, int]]) -> list[str]:
+    """One lane per model, its label, and the load and unload marks."""
+    out = []
+    for k, (m, states) in enumerate(zip(lay.order, _lane_states(plan, lay.order, held), strict=True)):
+        ly = lay.lanes_top + k * (LANE_H + LANE_GAP)
+        c = lay.colour[plan.label(m)]
+        cells = [f'<rect x="{lay.left}" y="{ly + LANE_H / 2 - 0.5}" width="{lay.plot_w}" height="1" fill="#c8c8c8"/>']
+        cells += [cell for i, st in enumerate(states)
+                  if (cell := _lane_cell(st, i, lay.left + i * lay.col, ly, lay.col, c)) is not None]
         out.append(f'<g class="lane" id="vg-lane-{k}" data-model="{escape(m)}">{"".join(cells)}</g>')
         out.append(f'<rect x="{PAD}" y="{ly + LANE_H / 2 - 5}" width="14" height="10" fill="{c}"/>')
-        out.append(_text(PAD + 18, ly + LANE_H / 2 + 0.35 * FS, lane_names[k], extra=' class="lane-label"'))
+        out.append(_text(PAD + 18, ly + LANE_H / 2 + 0.35 * FS, lay.lane_names[k], extra=' class="lane-label"'))
     for i, s in enumerate(plan.steps):  # load and unload marks
-        if isinstance(s.step, (Load, Unload)) and _lane(s.step.model) in order:
-            ly = lanes_top + order.index(_lane(s.step.model)) * (LANE_H + LANE_GAP)
+        if isinstance(s.step, (Load, Unload)) and _lane(s.step.model) in lay.order:
+            ly = lay.lanes_top + lay.order.index(_lane(s.step.model)) * (LANE_H + LANE_GAP)
             out.append(f'<g class="mark {s.step.kind}" data-step="{i}" data-model="{escape(s.step.model)}">'
-                       f"{_triangle(isinstance(s.step, Load), cx(i), ly + LANE_H / 2)}</g>")
+                       f"{_triangle(isinstance(s.step, Load), lay.cx(i), ly + LANE_H / 2)}</g>")
+    return out
 
-    # step labels
-    out.append(_text(left - GAP, labels_top + ASCENT * FS, "steps", anchor="end", extra=' fill="#777"'))
-    for i, (text, fill) in enumerate(labels):
+
+def _draw_step_labels(lay: _Layout) -> list[str]:
+    """The step labels under the lanes: across the columns, or turned where the columns are narrow."""
+    out = [_text(lay.left - GAP, lay.labels_top + ASCENT * FS, "steps", anchor="end", extra=' fill="#777"')]
+    for i, (text, fill) in enumerate(lay.labels):
         attrs = f' fill="{fill}" class="step" id="vg-label-{i}" data-step="{i}"'
-        if horizontal:
-            out.append(_text(cx(i), labels_top + ASCENT * FS, text, anchor="middle", extra=attrs))
+        if lay.horizontal:
+            out.append(_text(lay.cx(i), lay.labels_top + ASCENT * FS, text, anchor="middle", extra=attrs))
         else:
-            px = cx(i) + (ASCENT - DESCENT) / 2 * FS
-            out.append(_text(px, labels_top, text, anchor="end",
-                             extra=f'{attrs} transform="rotate(-90 {px:.1f} {labels_top:.1f})"'))
-
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" class="vg-timeline" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-family="{FONT}" font-size="{FS}" fill="#222">{_STYLE}'
-            f'<rect class="background" width="{width}" height="{height}" fill="white"/>')
-    return "\n".join([head, *out, "</svg>"])
+            px = lay.cx(i) + (ASCENT - DESCENT) / 2 * FS
+            out.append(_text(px, lay.labels_top, text, anchor="end",
+                             extra=f'{attrs} transform="rotate(-90 {px:.1f} {lay.labels_top:.1f})"'))
+    return out

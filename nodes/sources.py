@@ -156,8 +156,10 @@ def file_inputs(cls: type) -> dict[str, str]:
         return {}
     spec = cls.INPUT_TYPES(folders=_Probe())
     declared = {**spec.get("required", {}), **spec.get("optional", {})}
-    return {name: kind[0][1:] for name, (kind, *_) in declared.items()
-            if isinstance(kind, list) and len(kind) == 1 and str(kind[0]).startswith("\0")}
+    # a file list may carry fixed values beside the files (VAELoader's "pixel_space", as in ComfyUI 0.29)
+    marked = {name: [v for v in kind if str(v).startswith("\0")] for name, (kind, *_) in declared.items()
+              if isinstance(kind, list)}
+    return {name: found[0][1:] for name, found in marked.items() if len(found) == 1}
 
 
 def needed_files(prompt: Mapping[str, Any], nodes: Mapping[str, type]) -> list[tuple[str, str]]:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import peak_on, sync, timed_on
 from vramgraph.models import flux2, fp8, step
 from vramgraph.models.flux2_config import step_flop
 
@@ -44,34 +45,10 @@ def _commit() -> str:
         return os.environ.get("VG_COMMIT", "")
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def timed(fn, reps: int, dev: torch.device) -> float:
-    """Median seconds of `reps` calls after one warm-up (device events on CUDA)."""
+    """Median seconds of `reps` calls after one warm-up, each waited for on `dev`."""
     fn()
-    _sync(dev)
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-
-
-def peak(fn, dev: torch.device) -> int:
-    if dev.type != "cuda":
-        fn()
-        return 0
-    _sync(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
-    fn()
-    _sync(dev)
-    return torch.cuda.max_memory_allocated(dev) - base
+    return statistics.median(timed_on(fn, reps, dev))
 
 
 def matmul_rate(dev: torch.device, n: int = 8192, reps: int = 10) -> dict:
@@ -189,10 +166,10 @@ def run_cell(model, key: str, dtype: str, side: int, passes: int, variants: list
             out[v] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             step.set_compiled(model, False)
             continue
-        _sync(dev)
+        sync(dev)
         info["first_call_s"] = time.perf_counter() - t0
         info["step_s"] = timed(lambda: forward(model, x), a.reps, dev)
-        info["peak_bytes"] = peak(lambda: forward(model, x), dev)
+        info["peak_bytes"] = peak_on(lambda: forward(model, x), dev)
         if ref_out is not None and (key, side, passes) in ref_out:
             info["rel_l2_vs_plain_bf16"] = rel(y.float(), ref_out[(key, side, passes)])
         elif v == "plain" and dtype == "bf16":
@@ -221,10 +198,10 @@ def sampling_check(dev: torch.device, steps: int, side: int, tiny: bool) -> dict
     out: dict = {"steps": steps, "size": side, "cfg": 5.0}
     for name, opts in (("plain", step.PLAIN), ("compile_on", step.StepOptions(compile="on")),
                        ("auto_after", step.StepOptions())):
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         x = sample(model, lat, ctx, sig, negative=neg, guidance=5.0, step=opts)
-        _sync(dev)
+        sync(dev)
         out[name] = {"seconds": time.perf_counter() - t0}
         if name == "plain":
             ref = x.float()

@@ -1,8 +1,10 @@
-"""A real `python -m vramgraph serve` process for the tests that talk to one (importable as `serving`)."""
+"""A real `python -m vramgraph serve` process for the tests that talk to one, and the headless browser for those that
+look at a page (importable as `serving`)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -55,3 +57,38 @@ def serve_process(folder: Path, *args: str, env: dict[str, str] | None = None, t
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
+DRIVERS = ("chromedriver", "/usr/lib/chromium/chromedriver", "/usr/bin/chromedriver")
+
+
+def _find(names: tuple[str, ...]) -> str | None:
+    for n in names:
+        found = shutil.which(n) or (n if os.path.isfile(n) and os.access(n, os.X_OK) else None)
+        if found:
+            return found
+    return None
+
+
+def headless_chrome(width: int, height: int, *args: str, capabilities: dict | None = None):
+    """Debian's headless Chromium through selenium at `width` x `height` (more flags in `args`); the test is skipped
+    where selenium, Chromium or its driver is missing (VRAMGRAPH_NO_SKIPS makes that a failure on CI)."""
+    import pytest
+
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+    chrome, driver_path = _find(BROWSERS), _find(DRIVERS)
+    if chrome is None or driver_path is None:
+        pytest.skip("no headless browser: apt-get install -y chromium chromium-driver")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chrome
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                f"--window-size={width},{height}", "--force-device-scale-factor=1", *args):
+        opts.add_argument(arg)
+    for name, value in (capabilities or {}).items():
+        opts.set_capability(name, value)
+    drv = webdriver.Chrome(service=Service(executable_path=driver_path), options=opts)
+    drv.set_page_load_timeout(60)
+    return drv

@@ -19,36 +19,16 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
+from serving import headless_chrome
 
 ROOT = Path(__file__).resolve().parents[1]
-BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
-DRIVERS = ("chromedriver", "/usr/lib/chromium/chromedriver", "/usr/bin/chromedriver")
 PALETTE = {"#4e79a7": (78, 121, 167), "#f28e2b": (242, 142, 43), "#59a14f": (89, 161, 79)}
 
-
-def _find(names: tuple[str, ...]) -> str | None:
-    for n in names:
-        found = shutil.which(n) or (n if os.path.isfile(n) and os.access(n, os.X_OK) else None)
-        if found:
-            return found
-    return None
 
 
 @pytest.fixture(scope="module")
 def browser():
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
-    chrome, driver_path = _find(BROWSERS), _find(DRIVERS)
-    if chrome is None or driver_path is None:
-        pytest.skip("no headless browser: apt-get install -y chromium chromium-driver")
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chrome
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1500,1200", "--force-device-scale-factor=1", "--hide-scrollbars"):
-        opts.add_argument(arg)
-    drv = webdriver.Chrome(service=Service(executable_path=driver_path), options=opts)
-    drv.set_page_load_timeout(60)
+    drv = headless_chrome(1500, 1200, "--hide-scrollbars")
     yield drv
     drv.quit()
 

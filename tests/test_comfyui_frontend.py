@@ -21,12 +21,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 import requests
+from serving import headless_chrome
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
@@ -34,17 +34,8 @@ from selenium.webdriver.common.keys import Keys  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE_TITLE = "FLUX.2 [Klein] 4B: Text to Image"
-DRIVERS = ("chromedriver", "/usr/lib/chromium/chromedriver", "/usr/bin/chromedriver")
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 OFFLINE = {"Comfy.Notification.ShowVersionUpdates": False}  # no release check against api.comfy.org
 
-
-def _find(names: tuple[str, ...]) -> str | None:
-    for n in names:
-        found = shutil.which(n) or (n if os.path.isfile(n) and os.access(n, os.X_OK) else None)
-        if found:
-            return found
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -72,19 +63,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    chrome, driver_path = _find(BROWSERS), _find(DRIVERS)
-    if chrome is None or driver_path is None:
-        pytest.skip("no headless browser: apt-get install -y chromium chromium-driver")
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chrome
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1500,1000", "--force-device-scale-factor=1"):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    drv = webdriver.Chrome(service=Service(executable_path=driver_path), options=opts)
-    drv.set_page_load_timeout(60)
+    drv = headless_chrome(1500, 1000, capabilities={"goog:loggingPrefs": {"browser": "ALL", "performance": "ALL"}})
     yield drv
     drv.quit()
 

@@ -86,7 +86,7 @@ def plain_choose(spec: Blocks, room: int, bw: float) -> residency.BlockPlan | No
     groups = list(kinds.values())
     starts = []
     for counts in itertools.product(*(range(len(g) + 1) for g in groups)):
-        streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in residency._spread(g, k)))
+        streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in residency.spread(g, k)))
         if spec.gpu_bytes(streamed) <= room:
             starts.append((round(replay(spec, streamed, bw), 9), sum(spec.sizes[i] for i in streamed), streamed))
     if not starts:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .residency import BlockPlan
     from .sizes import Sizes
 
-__all__ = ["TIE", "Assigned", "Memo", "NextUse", "alike", "assign", "choose_pins"]
+__all__ = ["TIE", "Assigned", "Memo", "NextUse", "alike", "assign", "assigned", "choose_pins"]
 
 
 @dataclass
@@ -442,6 +442,11 @@ def assign(order: list[int], shape: Shape, sizes: Sizes, budget: Budget, cm: Cos
         else:
             state.asked.clear()
             state.apply(node, nc, state.weigh(i, nc))
+    return assigned(state, order)
+
+
+def assigned(state: GpuState, order: list[int]) -> Assigned:
+    """The pass 3 that `state` walked along `order`."""
     chosen = [v for v in state.chosen if v is not None]
     return Assigned(state.rows, order, chosen, state.end(), state.loads, state.unloaded, state.moved, state.weighed,
                     state.held_after, state.held_start)

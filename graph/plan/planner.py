@@ -64,9 +64,11 @@ from typing import TypeAlias
 import networkx as nx
 
 from . import assign as pass3
+from . import session
 from .early import FinishEarly
 from .order import Shape, cycle_error, grouped_order, host_peak, run_order, uses_gpu
 from .residency import BlockCache
+from .session import Session
 from .sizes import Sizes, all_fit, node_kinds
 from .types import (
     DEFAULT_RESERVE,
@@ -97,11 +99,14 @@ class PlanContext:
 
     `reference`: plan by the reference rules alone (every node weighed, the look ahead walked, every pass run), not
     with the fast paths that change no plan. `blocks`: the block choices of streamed nodes, by spec and room
-    (graph/plan/residency.py `BlockCache`), which a queue asks once per prompt and the next queue again. A caller
+    (graph/plan/residency.py `BlockCache`), which a queue asks once per prompt and the next queue again. `sessions`:
+    the choices of graph/plan/session.py for the runs to come, by the run's variants and start (a session's runs
+    come back to the same start). A caller
     that passes none gets a fresh context per plan: nothing outlives the call."""
 
     reference: bool = False
     blocks: BlockCache = field(default_factory=BlockCache)
+    sessions: session.Memory = field(default_factory=session.Memory)
 
 
 # A DAG with edges u->v where v reads u's output, or per node the nodes whose outputs it reads (its inputs' sources)
@@ -191,7 +196,7 @@ class _Planner:
             models = {**models, **{m.key: m for m in start.kept if m.key in start.gpu}}
         self.nodes, free = _validate(dag, costs, models, start, budget.gpu)
         self.dag, self.costs, self.models, self.budget, self.cost, self.start = dag, costs, models, budget, cost, start
-        self.repeat, self.fast = repeat, not context.reference
+        self.repeat, self.fast, self.sessions = repeat, not context.reference, context.sessions
         self.shape = Shape(dag, self.nodes, free, costs)  # the passes order the nodes that need something, by number
         self.sizes = Sizes(models, context.blocks)
         self.kinds, self.prov = node_kinds(dag, self.shape.costs, self.sizes, budget.gpu, self.fast)
@@ -220,6 +225,15 @@ class _Planner:
             done = first.repinned(pins)
         else:
             done = self.assign(order, self.start, pins)
+        nodes = [shape.costs[n] for n in order]
+        if self.repeat and Session.small(nodes, self.start):  # residency for the runs to come (graph/plan/session.py)
+            host_room = budget.host - peak_out - self.pinned_bytes
+
+            def pins_for(extra: set[str]) -> frozenset[str]:
+                return pass3.choose_pins(first, self.sizes, shape.costs, order, self.start, host_room, evicted | extra)
+
+            done = session.best(lambda end: self.assign(order, end, pins), done, order, shape.names, nodes,
+                                self.sizes, budget, self.cost, self.start, pins_for, self.prov, self.sessions)
         parts = {k: self.sizes.parts[k] for r in done.rows for k in r.resident if k in self.sizes.parts}
         return Plan(done.steps(shape, self.cost, tuple(sorted(self.start.gpu))), budget, {**self.models, **parts},
                     done.end, self.start, {n: self.costs[n].class_type for n in self.nodes}, self.cost)

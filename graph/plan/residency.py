@@ -189,7 +189,21 @@ def keeping(spec: Blocks, resident: tuple[int, ...], room: int, bandwidth: float
     return reuse(_plan(spec, streamed, seconds(spec, streamed, bw)), bandwidth)
 
 
-def _spread(positions: list[int], k: int) -> list[int]:
+def with_resident(spec: Blocks, resident: tuple[int, ...], bandwidth: float, cache: BlockCache | None = None
+                  ) -> BlockPlan:
+    """The plan that keeps exactly `resident` (sorted block indices) and streams the others, uploaded afresh (`reuse`
+    for one whose part is already on the GPU); its fit is the caller's to check (`BlockPlan.gpu_bytes`)."""
+    bw = bandwidth * STREAM_COPY_EFFICIENCY
+    gone = set(resident)
+    streamed = tuple(i for i in range(len(spec.sizes)) if i not in gone)
+    times = (cache or BlockCache()).times_of(spec, bw)
+    secs = times.get(streamed)
+    if secs is None:
+        secs = times[streamed] = seconds(spec, streamed, bw)
+    return _plan(spec, streamed, secs)
+
+
+def spread(positions: list[int], k: int) -> list[int]:
     """k of `positions`, evenly spaced (the middle of k equal parts)."""
     n = len(positions)
     return [positions[(2 * j + 1) * n // (2 * k)] for j in range(k)]
@@ -240,19 +254,19 @@ def _choose(spec: Blocks, room: int, bw: float, cache: BlockCache) -> BlockPlan 
         kinds.setdefault((spec.sizes[i], spec.seconds[i]), []).append(i)
     groups = list(kinds.values())
     search = _Search(spec, room, bw, cache.times_of(spec, bw))
-    spread = []
+    evenly = []
     for counts in itertools.product(*(range(len(g) + 1) for g in groups)):
-        streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in _spread(g, k)))
+        streamed = tuple(sorted(i for g, k in zip(groups, counts, strict=True) for i in spread(g, k)))
         if search.fits(streamed):
-            spread.append((search.floor(streamed), streamed))
-    if not spread:
+            evenly.append((search.floor(streamed), streamed))
+    if not evenly:
         return None
     # The best `keep` of the spread sets start the local search. Timed in the order of their floors, the ones left
     # once a floor is above the keep-th best time so far cannot be among them: their times are above it too.
     keep = SEEDS if n <= WIDE else 1
     starts: list[tuple[float, int, tuple[int, ...]]] = []
     best: list[float] = []  # the keep best (rounded) times so far, negated: a heap whose top is the keep-th best
-    for low, streamed in sorted(spread):
+    for low, streamed in sorted(evenly):
         if len(best) == keep and low > -best[0] + 1e-9:
             break
         t = round(search.seconds(streamed), 9)

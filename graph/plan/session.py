@@ -1,0 +1,386 @@
+"""Residency for the runs to come, not for this one alone: the plan of a run that will run again.
+
+A workflow run N times, an interactive session's next prompt, the server's queue one prompt at a time: the same
+nodes run image after image. Pass 3 (graph/plan/gpu.py) weighs one node at a time. On a 12 GiB card at the sampler it
+prices loading the transformer whole (and reloading the text encoder that this pushes out) against streaming the
+transformer blocks that do not fit beside the resident text encoder, and streaming wins by a few hundredths of a
+second, image after image: the transformer runs 4 to 100 passes an image and streams most of itself in each, the
+text encoder runs once. Kept whole, the transformer would cost its load once, and the text encoder, streamed once
+an image, a fraction of that.
+
+**The rule.** Where the plan expects the same run again (`repeat`) and the run is small (`Session.small`: at most
+SMALL_NODES nodes that use the GPU and SMALL_MODELS models), an exact dynamic programme over the next HORIZON runs of
+the order, from the GPU as it is now, chooses for every node its variant, the models that leave the GPU before it,
+and for a node that streams a model block by block which resident part it keeps (one of the model's `parts`):
+
+- a state between two nodes: per model, absent, whole, or one of its parts kept after a streamed node;
+- a node goes from one state to the next by dropping models it does not use (free: they have pinned copies), loading
+  the models its variant holds whole (their bytes at pinned speed) and running (its seconds); a streamed node uploads
+  its resident part unless that same part is on the GPU, and streams the other blocks every pass
+  (graph/plan/residency.py `seconds`); at its peak everything must fit in the budget;
+- a path costs its seconds plus a price per byte copied host->GPU: BYTE_PRICES, one path per price.
+
+Each path, and pass 3's own plan run HORIZON times, is carried out run after run by `GpuState.apply` (so all are
+priced alike, pinned copies and file reads included). Of these, among the plans within WITHIN (1 %) of the fastest
+total, the one that copies the fewest bytes (loads and streaming) is chosen, pass 3's on a tie; this run is its first
+run. Its end is where the next run starts (`Plan.end`): what stays resident is chosen for the next prompt.
+
+Pure: it sees sizes and predicted seconds, never tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from . import residency
+from .gpu import Choice, GpuState, LookAhead
+from .residency import BlockPlan
+from .types import Budget, CostModel, NodeCost, Residency
+
+if TYPE_CHECKING:
+    from ...nodes.types import Blocks, Variant
+    from .assign import Assigned
+    from .sizes import Sizes
+
+HORIZON = 4  # runs the programme looks at: this one and the three after it
+SMALL_NODES = 12  # at most this many nodes that use the GPU in one run (one image, not a queue)...
+SMALL_MODELS = 4  # ... and this many models (resident at the start or used): the states stay few
+PARTS = 8  # a streamed model's parts: 1/PARTS, 2/PARTS, ... of its blocks resident (and pass 3's own choices)
+BYTE_PRICES = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3)  # seconds charged per second of pinned copy (bytes / h2d_pinned)
+WITHIN = 0.01  # plans within 1 % of the fastest total count as fast: the fewest bytes wins
+
+ABSENT, WHOLE = 0, 1  # a model's level in a state; 2 + i: its i-th part
+
+
+class Move(NamedTuple):
+    """The programme's choice for one node: its variant (index), the models it drops (indices), its block plan."""
+
+    pick: int
+    drop: tuple[int, ...]
+    blocks: BlockPlan | None
+
+
+class Option(NamedTuple):
+    """A variant of a node as the programme sees it: the models it holds whole, the one it streams by blocks (-1:
+    none) and those it streams whole (they must be absent)."""
+
+    pick: int
+    variant: Variant
+    need: tuple[int, ...]
+    block: int
+    streams: tuple[int, ...]
+
+
+class Session:
+    """The programme for one plan: the models, their parts, each node's options, and the paths."""
+
+    def __init__(self, nodes: list[NodeCost], sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
+                 pinned: frozenset[str]) -> None:
+        self.nodes, self.sizes, self.gpu, self.cm = nodes, sizes, budget.gpu, cm
+        self.bw = cm.h2d_pinned
+        self.models = self.keys(nodes, sizes, start)
+        self.index = {m: j for j, m in enumerate(self.models)}
+        self.pinned = pinned
+        self.specs: dict[int, Blocks] = {}  # per model: the first block spec that streams it
+        for nc in nodes:
+            for v in nc.variants:
+                if v.blocks is not None:
+                    self.specs.setdefault(self.index[v.blocks.model], v.blocks)
+        self.parts: dict[int, list[tuple[int, ...]]] = {j: [] for j in self.specs}
+        self.part_bytes: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.start = self.state_of(start)  # (adds the start's kept parts to `parts`)
+        for j in self.specs:
+            self.ladder(j)
+        self.options = [self.options_of(nc) for nc in nodes]
+        self.plans: dict[int, list[tuple[int, BlockPlan]]] = {}  # per spec (by identity): a plan per part
+        self.moves: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], float, int, Move]]] = {}
+
+    @staticmethod
+    def keys(nodes: list[NodeCost], sizes: Sizes, start: Residency) -> list[str]:
+        """The models of the programme's states, in its order: those the nodes use, then those resident at the start."""
+        used = [m for nc in nodes for v in nc.variants for m in (*v.models, *v.streams)]
+        held = [sizes.base(k) or k for k in sorted(start.gpu)]
+        return list(dict.fromkeys(used + held))
+
+    @staticmethod
+    def small(nodes: list[NodeCost], start: Residency) -> bool:
+        """Whether the programme's states stay few: one run's worth of nodes and models."""
+        gpu_nodes = [nc for nc in nodes if any(v.models or v.streams for v in nc.variants)]
+        models = {m for nc in nodes for v in nc.variants for m in (*v.models, *v.streams)}
+        held = {residency.part_of(k) or k for k in start.gpu}
+        return 0 < len(gpu_nodes) <= SMALL_NODES and len(models | held) <= SMALL_MODELS
+
+    # ---------------------------------------------------------------------------------------- states
+
+    def state_of(self, res: Residency) -> tuple[int, ...]:
+        level = [ABSENT] * len(self.models)
+        for k in res.gpu:
+            base = self.sizes.base(k)
+            if base is None:
+                level[self.index[k]] = WHOLE
+            else:
+                j = self.index[base]
+                level[j] = self.part_level(j, residency.part_blocks(k))
+        return tuple(level)
+
+    def part_level(self, j: int, resident: tuple[int, ...]) -> int:
+        parts = self.parts.setdefault(j, [])
+        if resident not in parts:
+            parts.append(resident)
+            spec = self.specs.get(j)
+            if spec is not None:
+                self.part_bytes[(j, resident)] = spec.fixed + sum(spec.sizes[i] for i in resident)
+            else:  # a kept part at the start of a model no node streams now: its bytes as the plan knows them
+                self.part_bytes[(j, resident)] = self.sizes.w(residency.part_key(self.models[j], resident))
+        return 2 + parts.index(resident)
+
+    def held(self, j: int, level: int) -> int:
+        """Bytes model j holds at `level`."""
+        if level == ABSENT:
+            return 0
+        if level == WHOLE:
+            return self.sizes.w(self.models[j])
+        return self.part_bytes[(j, self.parts[j][level - 2])]
+
+    def ladder(self, j: int) -> None:
+        """Model j's parts: 1/PARTS, 2/PARTS, ... of its blocks resident, spread evenly over the model, and the set
+        that graph/plan/residency.py `choose` finds fastest in the room left beside each set of the other models held
+        whole (pass 3's own choice). (`choose` alone does not do: where the streaming hides behind the compute it
+        keeps the fewest blocks, whose upload is the only time it adds, but a part kept for the next run is uploaded
+        once and spares its blocks' copies in every pass after.)"""
+        spec = self.specs[j]
+        n = len(spec.sizes)
+        for k in range(1, PARTS + 1):
+            count = round(n * k / PARTS)
+            if count:
+                self.part_level(j, tuple(sorted(residency.spread(list(range(n)), count))))
+        others = [self.sizes.w(m) for i, m in enumerate(self.models) if i != j]
+        bw = self.bw * residency.STREAM_COPY_EFFICIENCY
+        for mask in itertools.product((0, 1), repeat=len(others)):
+            room = self.gpu - sum(w for w, on in zip(others, mask, strict=True) if on)
+            bp = self.sizes.blocks.choose(spec, room, bw) if room >= spec.min_gpu() else None
+            if bp is not None and bp.resident_bytes:
+                self.part_level(j, bp.resident)
+
+    def options_of(self, nc: NodeCost) -> list[Option]:
+        out = []
+        for k, v in enumerate(nc.variants):
+            if self.sizes.alone(v) > self.gpu:
+                continue
+            block = self.index[v.blocks.model] if v.blocks is not None else -1
+            need = tuple(dict.fromkeys(self.index[m] for m in v.models))
+            streams = tuple(self.index[m] for m in v.streams if self.index[m] != block)
+            out.append(Option(k, v, need, block, streams))
+        return out
+
+    # ---------------------------------------------------------------------------------------- one node
+
+    def load_seconds(self, j: int) -> float:
+        m = self.models[j]
+        return self.cm.load_seconds(self.sizes.w(m), m in self.pinned)
+
+    def block_plans(self, o: Option, own: int) -> list[tuple[int, BlockPlan]]:
+        """(level after, plan) for each part the streamed node may keep (the part already there, `own`, reused), and
+        every block streamed where that keeps nothing (no weights outside the blocks)."""
+        spec = o.variant.blocks
+        assert spec is not None
+        fresh = self.plans.get(id(spec))
+        if fresh is None:
+            fresh = [(2 + i, residency.with_resident(spec, r, self.bw, self.sizes.blocks))
+                     for i, r in enumerate(self.parts[o.block])]
+            if not spec.fixed:
+                fresh.append((ABSENT, residency.with_resident(spec, (), self.bw, self.sizes.blocks)))
+            self.plans[id(spec)] = fresh
+        if own < 2:
+            return fresh
+        return [(level, residency.reuse(bp, self.bw) if level == own else bp) for level, bp in fresh]
+
+    def steps(self, i: int, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], float, int, Move]]:
+        """Every way node i can run from state s: (state after, seconds, bytes copied, move)."""
+        out = []
+        for o in self.options[i]:
+            v = o.variant
+            forced = [j for j in o.streams if s[j] != ABSENT]
+            forced += [j for j in o.need if s[j] >= 2]  # a part leaves before its model loads whole
+            if o.block >= 0 and s[o.block] == WHOLE:
+                forced.append(o.block)  # (streamed, it is not held whole too)
+            free = [j for j in range(len(s)) if s[j] != ABSENT and j not in o.need and j != o.block
+                    and j not in forced]
+            loads = [j for j in o.need if s[j] != WHOLE]
+            load_s = sum(self.load_seconds(j) for j in loads)
+            load_b = sum(self.sizes.w(self.models[j]) for j in loads)
+            need_b = sum(self.sizes.w(self.models[j]) for j in o.need)
+            stream_s = sum(self.load_seconds(j) for j in o.streams)
+            stream_b = sum(self.sizes.w(self.models[j]) for j in o.streams)
+            plans = self.block_plans(o, s[o.block]) if o.block >= 0 else [(-1, None)]
+            for keep in itertools.product((True, False), repeat=len(free)):
+                kept = [j for j, on in zip(free, keep, strict=True) if on]
+                base = sum(self.held(j, s[j]) for j in kept) + need_b
+                drop = tuple(forced + [j for j, on in zip(free, keep, strict=True) if not on])
+                after = [ABSENT] * len(s)
+                for j in kept:
+                    after[j] = s[j]
+                for j in o.need:
+                    after[j] = WHOLE
+                for level, bp in plans:
+                    if bp is None:
+                        if base + v.activation > self.gpu:
+                            continue
+                        secs, copied = self.cm.run_seconds(v), 0
+                    else:
+                        if base + bp.gpu_bytes > self.gpu:
+                            continue
+                        after[o.block] = level
+                        secs, copied = bp.seconds, bp.uploaded
+                    out.append((tuple(after), secs + load_s + stream_s, copied + load_b + stream_b,
+                                Move(o.pick, drop, bp)))
+        return out
+
+    def ways(self, i: int, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], float, int, Move]]:
+        """`steps`, once per node and state, without a way to a state that another way reaches in no more seconds
+        and with no more bytes (no price prefers it)."""
+        key = (i, s)
+        got = self.moves.get(key)
+        if got is None:
+            best: dict[tuple[int, ...], list[tuple[tuple[int, ...], float, int, Move]]] = {}
+            for way in sorted(self.steps(i, s), key=lambda w: (w[1], w[2])):
+                kept = best.setdefault(way[0], [])
+                if not kept or way[2] < kept[-1][2]:  # (sorted by seconds: only fewer bytes can still count)
+                    kept.append(way)
+            got = self.moves[key] = [w for ways in best.values() for w in ways]
+        return got
+
+    # ---------------------------------------------------------------------------------------- the programme
+
+    def paths(self, runs: int, price: float) -> list[list[Move]]:
+        """The cheapest path over `runs` runs of the order from the start (seconds + price x bytes at pinned speed),
+        as each run's moves."""
+        per_byte = price / self.bw
+        n = len(self.nodes)
+        layers: list[dict[tuple[int, ...], tuple[float, tuple[int, ...], Move | None]]] = [
+            {self.start: (0.0, self.start, None)}]
+        for step in range(runs * n):
+            nxt: dict[tuple[int, ...], tuple[float, tuple[int, ...], Move | None]] = {}
+            for s, (c, _, _) in layers[-1].items():
+                for after, secs, copied, move in self.ways(step % n, s):
+                    total = c + secs + copied * per_byte
+                    got = nxt.get(after)
+                    if got is None or total < got[0]:
+                        nxt[after] = (total, s, move)
+            if not nxt:
+                return []
+            layers.append(nxt)
+        s = min(layers[-1], key=lambda k: layers[-1][k][0])
+        moves: list[Move] = []
+        for layer in reversed(layers[1:]):
+            _, s, last = layer[s]
+            assert last is not None
+            moves.append(last)
+        moves.reverse()
+        return [moves[r * n:(r + 1) * n] for r in range(runs)]
+
+
+def follow(moves: list[Move], order: list[int], names: list[str], nodes: list[NodeCost], sizes: Sizes,
+           budget: Budget, cm: CostModel, start: Residency, pins: frozenset[str], models: list[str],
+           prov: list[Variant]) -> Assigned:
+    """One run carried out by pass 3's own `GpuState.apply`, each node as the programme chose."""
+    from .assign import assigned
+
+    state = GpuState(names, sizes, budget, cm, start, pins, LookAhead(order, prov, sizes, budget.gpu, True))
+    for node, nc, move in zip(order, nodes, moves, strict=True):
+        v = nc.variants[move.pick]
+        unload = []
+        for j in move.drop:
+            m = models[j]
+            unload.append(m if m in state.resident else state.kept[m])
+        takes = state.kept.get(v.blocks.model) if v.blocks is not None else None
+        bp = move.blocks
+        if bp is not None:  # reused exactly where the part on the GPU now is the one it keeps
+            assert v.blocks is not None
+            bp = residency.with_resident(v.blocks, bp.resident, cm.h2d_pinned, sizes.blocks)
+            if takes is not None and residency.part_blocks(takes) == bp.resident:
+                bp = residency.reuse(bp, cm.h2d_pinned)
+        secs = bp.seconds + state.read_first(v) if bp is not None else cm.run_seconds(v)
+        note = v.note
+        if bp is not None:
+            label = sizes.models[bp.model].name
+            note = "; ".join([*([v.note] if v.note else []), bp.describe(label)])
+        if move.pick or bp is not None:
+            note += ("; " if note else "") + "chosen for the runs to come (graph/plan/session.py)"
+        state.apply(node, nc, Choice(move.pick, tuple(unload), bp, takes, secs, note))
+    return assigned(state, order)
+
+
+def total(runs: list[Assigned]) -> tuple[float, int]:
+    """(predicted seconds, bytes copied host->GPU) of runs one after the other."""
+    return sum(sum(r.seconds for r in a.rows) for a in runs), sum(a.moved for a in runs)
+
+
+class Chosen(NamedTuple):
+    """What `best` chose for one run, remembered by `Memory`: the programme's moves (None: pass 3's own plan) and the
+    models its path unloads or streams (they get pinned copies)."""
+
+    moves: tuple[Move, ...] | None
+    moved: frozenset[str]
+
+
+class Memory:
+    """`best`'s choices for the plans of one caller (its graph/plan/planner.py `PlanContext`), by the run's variants,
+    the start and the budget: a session's runs come back to the same start image after image, and take the same
+    choice again without the programme. Cleared when it reaches `limit` entries."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self.chosen: dict[tuple, Chosen] = {}
+
+    def get(self, key: tuple) -> Chosen | None:
+        return self.chosen.get(key)
+
+    def put(self, key: tuple, chosen: Chosen) -> None:
+        if len(self.chosen) >= self.limit:
+            self.chosen.clear()
+        self.chosen[key] = chosen
+
+
+def best(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[int], names: list[str],
+         nodes: list[NodeCost], sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
+         pins_for: Callable[[set[str]], frozenset[str]], prov: list[Variant], memory: Memory) -> Assigned:
+    """This run's pass 3 for the runs to come (the module's rule): pass 3's own (`first`, and `greedy` from each end
+    after it) against the programme's paths, over HORIZON runs; the chosen plan's first run."""
+    key = (tuple(nc.variants for nc in nodes), start, budget.gpu, cm)
+    got = memory.get(key)
+    if got is None:
+        got = choose(greedy, first, order, names, nodes, sizes, budget, cm, start, pins_for, prov)
+        memory.put(key, got)
+    if got.moves is None:
+        return first
+    return follow(list(got.moves), order, names, nodes, sizes, budget, cm, start, pins_for(set(got.moved)),
+                  Session.keys(nodes, sizes, start), prov)
+
+
+def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[int], names: list[str],
+           nodes: list[NodeCost], sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
+           pins_for: Callable[[set[str]], frozenset[str]], prov: list[Variant]) -> Chosen:
+    runs = [first]
+    while len(runs) < HORIZON:
+        runs.append(greedy(runs[-1].end))
+    if not any(a.moved for a in runs[1:]):  # from its second run on pass 3 moves nothing: nothing to gain
+        return Chosen(None, frozenset())
+    candidates = [(total(runs), Chosen(None, frozenset()))]
+    session = Session(nodes, sizes, budget, cm, start, frozenset(start.pinned) | pins_for(set()))
+    for price in BYTE_PRICES:
+        path = session.paths(HORIZON, price)
+        if not path:
+            continue
+        moved = {session.models[j] for run in path for mv in run for j in mv.drop}
+        moved |= {mv.blocks.model for run in path for mv in run if mv.blocks is not None}
+        pins = pins_for(moved)
+        done, at = [], start
+        for run in path:
+            done.append(follow(run, order, names, nodes, sizes, budget, cm, at, pins, session.models, prov))
+            at = done[-1].end
+        candidates.append((total(done), Chosen(tuple(path[0]), frozenset(moved))))
+    fastest = min(t for (t, _), _ in candidates)
+    return min((c for c in candidates if c[0][0] <= fastest * (1 + WITHIN)), key=lambda c: c[0][1])[1]

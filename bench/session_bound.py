@@ -11,9 +11,9 @@ copied host->GPU (loads and streaming) are compared with `bound`: an exact dynam
 the same nodes, from the same start, with the same cost model (graph/plan/types.py `CostModel`, graph/plan/residency.py
 `seconds`), that may hold any model whole, drop any model before any node (free: it is pinned), and keep after a
 node that streams a model block by block any number of its blocks, a multiple of --step, spread evenly over the
-model, or the fastest set in any of 64 rooms evenly spread over its range or beside any set of whole models
-(graph/plan/residency.py `choose`), each reused by the next node that streams the model and keeps the same blocks.
-It knows the whole sequence of N runs at once. Its own code, written apart from graph/plan/session.py.
+model or its first ones, or the fastest set in any of 64 rooms evenly spread over its range or beside any set of
+whole models (graph/plan/residency.py `choose`), each reused by the next node that streams the model and keeps the
+same blocks. It knows the whole sequence of N runs at once. Its own code, written apart from graph/plan/session.py.
 
 Reported: `over_bound` = plan seconds / the bound's least seconds (acceptance: <= 1.05 at 512²-2048² on 8-24 GiB),
 `bytes_over_within` = plan bytes / the fewest bytes of a path within 1 % of the least seconds that a sweep of byte
@@ -79,13 +79,15 @@ class Bound:
         return got
 
     def sets(self, j: int, spec) -> list[tuple[int, ...]]:
-        """The resident sets a streamed node of model j may keep: every multiple of `step` blocks spread evenly, and
+        """The resident sets a streamed node of model j may keep: every multiple of `step` blocks spread evenly or the
+        first ones, and
         the fastest set (residency.choose) in every room from the least to all of it in steps of 1/ROOMS, and in the
         room beside each set of the other models held whole."""
         key = ("sets", j, id(spec))
         if key not in self.cache:
             n = len(spec.sizes)
-            got = {spread_resident(n, c) for c in sorted({*range(0, n + 1, self.step), n})}
+            counts = sorted({*range(0, n + 1, self.step), n})
+            got = {spread_resident(n, c) for c in counts} | {tuple(range(c)) for c in counts}
             low, high = spec.min_gpu(), spec.gpu_bytes(())
             rooms = {low + (high - low) * k // ROOMS for k in range(ROOMS + 1)}
             others = [w for i, w in enumerate(self.w) if i != j]

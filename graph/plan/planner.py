@@ -101,12 +101,13 @@ class PlanContext:
     with the fast paths that change no plan. `blocks`: the block choices of streamed nodes, by spec and room
     (graph/plan/residency.py `BlockCache`), which a queue asks once per prompt and the next queue again. `sessions`:
     the choices of graph/plan/session.py for the runs to come, by the run's variants and start (a session's runs
-    come back to the same start). A caller
-    that passes none gets a fresh context per plan: nothing outlives the call."""
+    come back to the same start). `session` False: pass 3's own plan even where the run will run again (to compare).
+    A caller that passes none gets a fresh context per plan: nothing outlives the call."""
 
     reference: bool = False
     blocks: BlockCache = field(default_factory=BlockCache)
     sessions: session.Memory = field(default_factory=session.Memory)
+    session: bool = True  # plan a run that will run again for the runs to come (False: pass 3 alone)
 
 
 # A DAG with edges u->v where v reads u's output, or per node the nodes whose outputs it reads (its inputs' sources)
@@ -197,6 +198,7 @@ class _Planner:
         self.nodes, free = _validate(dag, costs, models, start, budget.gpu)
         self.dag, self.costs, self.models, self.budget, self.cost, self.start = dag, costs, models, budget, cost, start
         self.repeat, self.fast, self.sessions = repeat, not context.reference, context.sessions
+        self.session = repeat and context.session
         self.shape = Shape(dag, self.nodes, free, costs)  # the passes order the nodes that need something, by number
         self.sizes = Sizes(models, context.blocks)
         self.kinds, self.prov = node_kinds(dag, self.shape.costs, self.sizes, budget.gpu, self.fast)
@@ -226,7 +228,7 @@ class _Planner:
         else:
             done = self.assign(order, self.start, pins)
         nodes = [shape.costs[n] for n in order]
-        if self.repeat and Session.small(nodes, self.start):  # residency for the runs to come (graph/plan/session.py)
+        if self.session and Session.small(nodes, self.start):  # residency for the runs to come (graph/plan/session.py)
             host_room = budget.host - peak_out - self.pinned_bytes
 
             def pins_for(extra: set[str]) -> frozenset[str]:

@@ -44,10 +44,10 @@ if TYPE_CHECKING:
     from .assign import Assigned
     from .sizes import Sizes
 
-HORIZON = 4  # runs the programme looks at: this one and the three after it
+HORIZON = 8  # runs the programme looks at: this one and the seven after it
 SMALL_NODES = 12  # at most this many nodes that use the GPU in one run (one image, not a queue)...
 SMALL_MODELS = 4  # ... and this many models (resident at the start or used): the states stay few
-PARTS = 8  # a streamed model's parts: 1/PARTS, 2/PARTS, ... of its blocks resident (and pass 3's own choices)
+PARTS = 4  # a streamed model's parts: 1/PARTS, 2/PARTS, ... of its blocks resident (spread or the first ones)
 BYTE_PRICES = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3)  # seconds charged per second of pinned copy (bytes / h2d_pinned)
 WITHIN = 0.01  # plans within 1 % of the fastest total count as fast: the fewest bytes wins
 
@@ -145,7 +145,8 @@ class Session:
         return self.part_bytes[(j, self.parts[j][level - 2])]
 
     def ladder(self, j: int) -> None:
-        """Model j's parts: 1/PARTS, 2/PARTS, ... of its blocks resident, spread evenly over the model, and the set
+        """Model j's parts: 1/PARTS, 2/PARTS, ... of its blocks resident, spread evenly over the model or its first
+        blocks (whose compute hides the copies of the others in the first pass), and the set
         that graph/plan/residency.py `choose` finds fastest in the room left beside each set of the other models held
         whole (pass 3's own choice). (`choose` alone does not do: where the streaming hides behind the compute it
         keeps the fewest blocks, whose upload is the only time it adds, but a part kept for the next run is uploaded
@@ -156,6 +157,7 @@ class Session:
             count = round(n * k / PARTS)
             if count:
                 self.part_level(j, tuple(sorted(residency.spread(list(range(n)), count))))
+                self.part_level(j, tuple(range(count)))
         others = [self.sizes.w(m) for i, m in enumerate(self.models) if i != j]
         bw = self.bw * residency.STREAM_COPY_EFFICIENCY
         for mask in itertools.product((0, 1), repeat=len(others)):
@@ -198,7 +200,9 @@ class Session:
         return [(level, residency.reuse(bp, self.bw) if level == own else bp) for level, bp in fresh]
 
     def steps(self, i: int, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], float, int, Move]]:
-        """Every way node i can run from state s: (state after, seconds, bytes copied, move)."""
+        """Every way node i can run from state s: (state after, seconds, bytes copied, move). A model it does not use
+        is dropped only where it does not fit beside the node: dropping it later is free, so of the sets of such
+        models kept, only the largest that fit (no model more fits) are tried."""
         out = []
         for o in self.options[i]:
             v = o.variant
@@ -209,33 +213,29 @@ class Session:
             free = [j for j in range(len(s)) if s[j] != ABSENT and j not in o.need and j != o.block
                     and j not in forced]
             loads = [j for j in o.need if s[j] != WHOLE]
-            load_s = sum(self.load_seconds(j) for j in loads)
-            load_b = sum(self.sizes.w(self.models[j]) for j in loads)
+            secs0 = sum(self.load_seconds(j) for j in (*loads, *o.streams))
+            copied0 = sum(self.sizes.w(self.models[j]) for j in (*loads, *o.streams))
             need_b = sum(self.sizes.w(self.models[j]) for j in o.need)
-            stream_s = sum(self.load_seconds(j) for j in o.streams)
-            stream_b = sum(self.sizes.w(self.models[j]) for j in o.streams)
             plans = self.block_plans(o, s[o.block]) if o.block >= 0 else [(-1, None)]
-            for keep in itertools.product((True, False), repeat=len(free)):
-                kept = [j for j, on in zip(free, keep, strict=True) if on]
-                base = sum(self.held(j, s[j]) for j in kept) + need_b
-                drop = tuple(forced + [j for j, on in zip(free, keep, strict=True) if not on])
-                after = [ABSENT] * len(s)
-                for j in kept:
-                    after[j] = s[j]
-                for j in o.need:
-                    after[j] = WHOLE
-                for level, bp in plans:
+            for level, bp in plans:
+                peak = bp.gpu_bytes if bp is not None else v.activation
+                room = self.gpu - need_b - peak
+                fits = [kept for kept in subsets(free) if sum(self.held(j, s[j]) for j in kept) <= room]
+                for kept in fits:
+                    if any(len(other) > len(kept) and set(kept) < set(other) for other in fits):
+                        continue  # (a larger set fits: keeping it costs nothing more)
+                    after = [ABSENT] * len(s)
+                    for j in kept:
+                        after[j] = s[j]
+                    for j in o.need:
+                        after[j] = WHOLE
                     if bp is None:
-                        if base + v.activation > self.gpu:
-                            continue
                         secs, copied = self.cm.run_seconds(v), 0
                     else:
-                        if base + bp.gpu_bytes > self.gpu:
-                            continue
                         after[o.block] = level
                         secs, copied = bp.seconds, bp.uploaded
-                    out.append((tuple(after), secs + load_s + stream_s, copied + load_b + stream_b,
-                                Move(o.pick, drop, bp)))
+                    drop = tuple(forced + [j for j in free if j not in kept])
+                    out.append((tuple(after), secs + secs0, copied + copied0, Move(o.pick, drop, bp)))
         return out
 
     def ways(self, i: int, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], float, int, Move]]:
@@ -280,6 +280,11 @@ class Session:
             moves.append(last)
         moves.reverse()
         return [moves[r * n:(r + 1) * n] for r in range(runs)]
+
+
+def subsets(items: list[int]) -> list[tuple[int, ...]]:
+    """Every subset of `items`, the largest first."""
+    return [c for k in range(len(items), -1, -1) for c in itertools.combinations(items, k)]
 
 
 def follow(moves: list[Move], order: list[int], names: list[str], nodes: list[NodeCost], sizes: Sizes,
@@ -366,7 +371,7 @@ def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list
     runs = [first]
     while len(runs) < HORIZON:
         runs.append(greedy(runs[-1].end))
-    if not any(a.moved for a in runs[1:]):  # from its second run on pass 3 moves nothing: nothing to gain
+    if not any(a.moved for a in runs):  # pass 3 moves nothing: nothing to gain
         return Chosen(None, frozenset())
     candidates = [(total(runs), Chosen(None, frozenset()))]
     session = Session(nodes, sizes, budget, cm, start, frozenset(start.pinned) | pins_for(set()))

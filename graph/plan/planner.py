@@ -2,7 +2,8 @@
 
 A pure function: it imports neither torch nor any node (only `nodes.types.Variant`, the plain dataclass in which
 node estimates state their variants); it sees sizes and predicted seconds, never tensors.
-The plan is made in three passes, each a simple greedy rule that a user can follow by hand:
+The plan is made in three passes, each a simple greedy rule that a user can follow by hand, and, for a run that will
+run again, a fourth that plans it for the runs to come:
 
 0. A node that needs nothing (one variant without models, streams or GPU bytes, whose outputs hold no host RAM: a
    loader, a save, ComfyUI's noise and guider nodes) runs as soon as its inputs are ready; the passes order and weigh
@@ -49,6 +50,12 @@ The plan is made in three passes, each a simple greedy rule that a user can foll
    its model loads whole.
 
 Nothing is ever unloaded unless a node forces it out, and nothing is loaded before the node that needs it.
+
+4. **For the runs to come** (graph/plan/session.py). With `repeat`, a small run (an image or two: at most 8 nodes that
+   use the GPU and 4 models) is planned for the runs after it too: an exact dynamic programme over the next 8 runs
+   (per model absent, whole, or a part of its blocks kept; cost: seconds plus a price per byte, several prices) and
+   pass 3's own plan, each carried out by `GpuState.apply`; among those within 1 % of the fastest, the fewest bytes
+   win.
 
 The passes above are the reference. The fast paths (pass 3's remembered choices and tables, `node_kinds`' shared
 kinds, and the passes left out where they would change nothing) change no plan; `PlanContext(reference=True)` plans
@@ -227,8 +234,8 @@ class _Planner:
             done = first.repinned(pins)
         else:
             done = self.assign(order, self.start, pins)
-        nodes = [shape.costs[n] for n in order]
-        if self.session and Session.small(nodes, self.start):  # residency for the runs to come (graph/plan/session.py)
+        nodes = [shape.costs[n] for n in order] if self.session else []
+        if nodes and Session.small(nodes, self.start):  # residency for the runs to come (graph/plan/session.py)
             host_room = budget.host - peak_out - self.pinned_bytes
 
             def pins_for(extra: set[str]) -> frozenset[str]:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .sizes import Sizes
 
 HORIZON = 8  # runs the programme looks at: this one and the seven after it
-SMALL_NODES = 12  # at most this many nodes that use the GPU in one run (one image, not a queue)...
+SMALL_NODES = 8  # at most this many nodes that use the GPU in one run (an image or two, not a queue)...
 SMALL_MODELS = 4  # ... and this many models (resident at the start or used): the states stay few
 PARTS = 4  # a streamed model's parts: 1/PARTS, 2/PARTS, ... of its blocks resident (spread or the first ones)
 BYTE_PRICES = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3)  # seconds charged per second of pinned copy (bytes / h2d_pinned)
@@ -106,11 +106,17 @@ class Session:
 
     @staticmethod
     def small(nodes: list[NodeCost], start: Residency) -> bool:
-        """Whether the programme's states stay few: one run's worth of nodes and models."""
-        gpu_nodes = [nc for nc in nodes if any(v.models or v.streams for v in nc.variants)]
-        models = {m for nc in nodes for v in nc.variants for m in (*v.models, *v.streams)}
-        held = {residency.part_of(k) or k for k in start.gpu}
-        return 0 < len(gpu_nodes) <= SMALL_NODES and len(models | held) <= SMALL_MODELS
+        """Whether the programme's states stay few: one run's worth of nodes and models (a queue's run is not: it
+        is told at its ninth node that uses the GPU)."""
+        gpu_nodes = 0
+        models: set[str] = {residency.part_of(k) or k for k in start.gpu}
+        for nc in nodes:
+            if any(v.models or v.streams for v in nc.variants):
+                gpu_nodes += 1
+                if gpu_nodes > SMALL_NODES:
+                    return False
+                models.update(m for v in nc.variants for m in (*v.models, *v.streams))
+        return 0 < gpu_nodes and len(models) <= SMALL_MODELS
 
     # ---------------------------------------------------------------------------------------- states
 
@@ -361,8 +367,11 @@ def best(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[i
         memory.put(key, got)
     if got.moves is None:
         return first
-    return follow(list(got.moves), order, names, nodes, sizes, budget, cm, start, pins_for(set(got.moved)),
+    done = follow(list(got.moves), order, names, nodes, sizes, budget, cm, start, pins_for(set(got.moved)),
                   Session.keys(nodes, sizes, start), prov)
+    if [(r.step, r.blocks) for r in done.rows] == [(r.step, r.blocks) for r in first.rows]:
+        return first  # this run as pass 3 makes it (only later runs differ): its notes say why
+    return done
 
 
 def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[int], names: list[str],

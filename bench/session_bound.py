@@ -123,25 +123,27 @@ class Bound:
                 runs = [(("P", r),) for r in self.sets(blk, spec)]
                 if kept_now is not None and ("P", kept_now) not in [r[0] for r in runs]:
                     runs.append((("P", kept_now),))
-            for keep in itertools.product((True, False), repeat=len(optional)):
-                after = [("0",)] * len(s)
-                base = need_b
-                for j, on in zip(optional, keep, strict=True):
-                    if on:
-                        after[j] = s[j]
-                        base += self.held(j, s[j])
-                for j in need:
-                    after[j] = ("W",)
-                if blk < 0:
-                    if base + v.activation <= self.gpu:
-                        out.append((tuple(after), self.cm.run_seconds(v) + extra_s, extra_b))
-                    continue
-                for (level,) in runs:
-                    bp = self.plan(spec, level[1], level[1] == kept_now)
-                    if base + bp.gpu_bytes > self.gpu:
+            subsets = [tuple(j for j, on in zip(optional, keep, strict=True) if on)
+                       for keep in itertools.product((True, False), repeat=len(optional))]
+            for level, bp in ([(None, None)] if blk < 0 else
+                              [(lv, self.plan(spec, lv[1], lv[1] == kept_now)) for (lv,) in runs]):
+                peak = v.activation if bp is None else bp.gpu_bytes
+                fits = [k for k in subsets if need_b + peak + sum(self.held(j, s[j]) for j in k) <= self.gpu]
+                for kept in fits:
+                    # a set of models kept that fits inside a larger one that fits is no better: dropping is free
+                    # at any later node
+                    if any(set(kept) < set(other) for other in fits):
                         continue
-                    after[blk] = level if bp.resident_bytes else ("0",)
-                    out.append((tuple(after), bp.seconds + extra_s, bp.uploaded + extra_b))
+                    after = [("0",)] * len(s)
+                    for j in kept:
+                        after[j] = s[j]
+                    for j in need:
+                        after[j] = ("W",)
+                    if bp is None:
+                        out.append((tuple(after), self.cm.run_seconds(v) + extra_s, extra_b))
+                    else:
+                        after[blk] = level if bp.resident_bytes else ("0",)
+                        out.append((tuple(after), bp.seconds + extra_s, bp.uploaded + extra_b))
         self.cache[key] = out
         return out
 

@@ -111,7 +111,8 @@ def grouped_optimum(plan, node_costs: dict, models: dict) -> tuple[int, int] | N
     return min(cost.values())
 
 
-def cell(planning, workflow: str, side: int, n: int, card: int) -> dict:
+def cell(planning, workflow: str, side: int, n: int, card: int, context=None) -> dict:
+    """One cell; `context`: the planner's PlanContext for the timed plans (default: a fresh one per plan)."""
     from vramgraph.graph.plan import planner
     from vramgraph.graph.workflow import estimate, queue
 
@@ -132,7 +133,8 @@ def cell(planning, workflow: str, side: int, n: int, card: int) -> dict:
     times = []
     for _ in range(3 if n >= 8 else 1):
         t0 = time.perf_counter()
-        p = planner.plan(todo, {k: node_costs[k] for k in todo.nodes}, models, planning.budget, planning.cost)
+        p = planner.plan(todo, {k: node_costs[k] for k in todo.nodes}, models, planning.budget, planning.cost,
+                         context=context)
         times.append(time.perf_counter() - t0)
     best = grouped_optimum(p, node_costs, models)
     moved = p.bytes_moved + p.streamed_bytes

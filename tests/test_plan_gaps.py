@@ -115,16 +115,20 @@ def test_streamed_queues_move_the_bytes_of_the_grouped_order(tmp_path: Path, mon
 @pytest.mark.parametrize("card_gib", [8, 10, 12])
 def test_queued_cfg_samplers_at_2048_stream_no_more_than_one_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    card_gib: int) -> None:
-    """Base model with CFG at 2048², one prompt and two: the queue streams no more than twice what one image streams,
-    with the same sampler variant. (Planned for the runs to come, graph/plan/session.py, where running CFG's two
-    passes one after the other, "stream-cfg", halves the activation so that more blocks stay for the next image, it
-    is chosen for both; "stream" elsewhere.)"""
+    """Base model with CFG at 2048², two prompts: running CFG's two passes one after the other ("stream-cfg") would
+    keep more blocks but stream each of the others twice, 1.5x the bytes for 0.01 % less predicted time; the near
+    tie goes to "stream" (planner.TIE), so the queue streams twice what one image streams. (Pass 3's rule: the one
+    image is planned without graph/plan/session.py, which plans it for the images after it and keeps all 25 blocks
+    with "stream-cfg" where it can, tests/test_session.py.)"""
+    from vramgraph.graph.plan.planner import PlanContext
+
     plan_cells = _plan_cells(tmp_path, monkeypatch)
     planning = plan_cells.planning_for(card_gib, None)
-    one = plan_cells.cell(planning, "text_to_image_base.json", 2048, 1, card_gib)
-    two = plan_cells.cell(planning, "text_to_image_base.json", 2048, 2, card_gib)
-    assert one["variants"]["VGSampler"] == two["variants"]["VGSampler"]
-    assert two["gib_streamed"] <= 2 * one["gib_streamed"] * (1 + 1e-3)
+    planning.context = PlanContext(session=False)
+    one = plan_cells.cell(planning, "text_to_image_base.json", 2048, 1, card_gib, planning.context)
+    two = plan_cells.cell(planning, "text_to_image_base.json", 2048, 2, card_gib, planning.context)
+    assert one["variants"]["VGSampler"] == two["variants"]["VGSampler"] == ["stream"]
+    assert two["gib_streamed"] == pytest.approx(2 * one["gib_streamed"], rel=1e-3)
 
 
 def test_the_grouped_order_pays_for_a_vae_beside_a_streamed_sampler(tmp_path: Path,

@@ -45,10 +45,10 @@ if TYPE_CHECKING:
     from .sizes import Sizes
 
 HORIZON = 8  # runs the programme looks at: this one and the seven after it
-SMALL_NODES = 8  # at most this many nodes that use the GPU in one run (an image or two, not a queue)...
+SMALL_NODES = 5  # at most this many nodes that use the GPU in one run (one image, not a queue)...
 SMALL_MODELS = 4  # ... and this many models (resident at the start or used): the states stay few
 PARTS = 4  # a streamed model's parts: 1/PARTS, 2/PARTS, ... of its blocks resident (spread or the first ones)
-BYTE_PRICES = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3)  # seconds charged per second of pinned copy (bytes / h2d_pinned)
+BYTE_PRICES = (0.0, 0.01, 0.03, 0.3)  # seconds charged per second of pinned copy (bytes / h2d_pinned)
 WITHIN = 0.01  # plans within 1 % of the fastest total count as fast: the fewest bytes wins
 
 ABSENT, WHOLE = 0, 1  # a model's level in a state; 2 + i: its i-th part
@@ -107,7 +107,7 @@ class Session:
     @staticmethod
     def small(nodes: list[NodeCost], start: Residency) -> bool:
         """Whether the programme's states stay few: one run's worth of nodes and models (a queue's run is not: it
-        is told at its ninth node that uses the GPU)."""
+        is told at its sixth node that uses the GPU)."""
         gpu_nodes = 0
         models: set[str] = {residency.part_of(k) or k for k in start.gpu}
         for nc in nodes:

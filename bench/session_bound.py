@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         import plan_time
 
         other = plan_time.planner_of(plan_time._other(a.against))
-    rows = []
+    rows: list[dict] = []
     for card in [int(c) for c in a.cards.split(",")]:
         planning = plan_cells.planning_for(card, a.profile)
         for wf in a.workflows.split(","):
@@ -255,22 +255,28 @@ def main(argv: list[str] | None = None) -> None:
                 row = cell(planner, other, planning, wf, side, card, a.images, a.step)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "per_image"}), flush=True)
+                write(a, rows, other is not None)
+    print(json.dumps(write(a, rows, other is not None), indent=1))
+
+
+def write(a: argparse.Namespace, rows: list[dict], against: bool) -> dict:
+    """The report of the cells so far (written after every cell: a long run leaves what it has)."""
     done = [r for r in rows if "rejected" not in r]
     summary = {"cells": len(rows), "rejected": [(r["workflow"], r["card_gib"], r["side"]) for r in rows
                                                 if "rejected" in r],
-               "over_bound_max": max(r["over_bound"] for r in done),
+               "over_bound_max": max((r["over_bound"] for r in done), default=None),
                "cells_over_1.05": [(r["workflow"], r["card_gib"], r["side"], r["over_bound"]) for r in done
                                    if r["over_bound"] > 1.05],
                "bytes_over_within_max": max((r["bytes_over_within"] or 0) for r in done),
                "cells_bytes_over_1.2": [(r["workflow"], r["card_gib"], r["side"], r["bytes_over_within"]) for r in done
                                         if (r["bytes_over_within"] or 0) > 1.2]}
-    if other is not None:
-        summary["against_over_bound_max"] = max(r["against_over_bound"] for r in done)
+    if against:
+        summary["against_over_bound_max"] = max((r["against_over_bound"] for r in done), default=None)
         summary["against_cells_over_1.05"] = [(r["workflow"], r["card_gib"], r["side"], r["against_over_bound"])
                                               for r in done if r["against_over_bound"] > 1.05]
     report = {"args": vars(a), "rows": rows, "summary": summary}
     Path(a.out).write_text(json.dumps(report, indent=1))
-    print(json.dumps(summary, indent=1))
+    return summary
 
 
 if __name__ == "__main__":

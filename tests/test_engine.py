@@ -260,7 +260,8 @@ def _needs(engine: Engine, prompt: dict) -> tuple[int, dict[str, int]]:
 def test_tight_budget_unloads_between_nodes_and_gives_the_same_image(name: str, tiny_models: Path,
                                                                      input_dir: Path, tmp_path: Path) -> None:
     """With a budget that holds the largest node alone, the text encoder and the transformer never share the
-    GPU: the plan unloads one for the other, and the picture is bit-for-bit the unlimited one."""
+    GPU whole: the plan unloads one for the other or streams one (planned for the runs to come, graph/plan/session.py,
+    the text encoder streams beside the transformer), and the picture is bit-for-bit the unlimited one."""
     roomy = Engine(folders_for(tiny_models, input_dir, tmp_path / "roomy"), device="cpu",
                    budget=Budget(gpu=64 * GiB, host=64 * GiB))
     reference = roomy.run(shipped(name))
@@ -272,16 +273,18 @@ def test_tight_budget_unloads_between_nodes_and_gives_the_same_image(name: str, 
                    budget=Budget(gpu=alone, host=64 * GiB))
     prep = tight.prepare(shipped(name))
     unloads = [s.step for s in prep.plan.steps if isinstance(s.step, planner.Unload)]
-    assert unloads and prep.plan.peak <= alone
+    streamed = [s for s in prep.plan.steps if s.blocks is not None]
+    assert (unloads or streamed) and prep.plan.peak <= alone
     te = next(k for k, m in prep.plan.models.items() if m.label == "text encoder")
     tr = next(k for k, m in prep.plan.models.items() if m.label == "transformer")
     assert all(not {te, tr} <= set(s.resident) for s in prep.plan.steps)
     order = [type(s.step).__name__ + ":" + getattr(s.step, "model", getattr(s.step, "node", "")) for s in
              prep.plan.steps]
-    assert order.index(f"Unload:{te}") < order.index(f"Load:{tr}")  # the encoder leaves before the transformer
+    if f"Load:{te}" in order and f"Load:{tr}" in order:
+        assert order.index(f"Unload:{te}") < order.index(f"Load:{tr}")  # the encoder leaves before the transformer
 
     result = tight.run(prep)
-    assert result.unloads == len(unloads) >= 1
+    assert result.unloads == len(unloads)
     assert np.array_equal(pixels(result.images[0]), pixels(reference.images[0]))
 
 

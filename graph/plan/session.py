@@ -47,9 +47,10 @@ if TYPE_CHECKING:
 HORIZON = 8  # runs the programme looks at: this one and the seven after it
 SMALL_NODES = 5  # at most this many nodes that use the GPU in one run (one image, not a queue)...
 SMALL_MODELS = 4  # ... and this many models (resident at the start or used): the states stay few
-PARTS = 4  # a streamed model's parts: 1/PARTS, 2/PARTS, ... of its blocks resident (spread or the first ones)
+PARTS = 6  # a streamed model's parts: 1/PARTS, 2/PARTS, ... of its blocks resident (spread or the first ones)
 BYTE_PRICES = (0.0, 0.01, 0.03, 0.3)  # seconds charged per second of pinned copy (bytes / h2d_pinned)
 WITHIN = 0.01  # plans within 1 % of the fastest total count as fast: the fewest bytes wins
+BISECT = 3  # more prices tried between the dearest fast enough and the next
 
 ABSENT, WHOLE = 0, 1  # a model's level in a state; 2 + i: its i-th part
 
@@ -76,13 +77,11 @@ class Option(NamedTuple):
 class Session:
     """The programme for one plan: the models, their parts, each node's options, and the paths."""
 
-    def __init__(self, nodes: list[NodeCost], sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
-                 pinned: frozenset[str]) -> None:
+    def __init__(self, nodes: list[NodeCost], sizes: Sizes, budget: Budget, cm: CostModel, start: Residency) -> None:
         self.nodes, self.sizes, self.gpu, self.cm = nodes, sizes, budget.gpu, cm
         self.bw = cm.h2d_pinned
         self.models = self.keys(nodes, sizes, start)
         self.index = {m: j for j, m in enumerate(self.models)}
-        self.pinned = pinned
         self.specs: dict[int, Blocks] = {}  # per model: the first block spec that streams it
         for nc in nodes:
             for v in nc.variants:
@@ -186,8 +185,9 @@ class Session:
     # ---------------------------------------------------------------------------------------- one node
 
     def load_seconds(self, j: int) -> float:
-        m = self.models[j]
-        return self.cm.load_seconds(self.sizes.w(m), m in self.pinned)
+        """A load at pinned speed: a model's first read from its file is paid by every plan that uses it, loaded or
+        streamed (the paths are then priced as they run, `follow`)."""
+        return self.cm.load_seconds(self.sizes.w(self.models[j]), True)
 
     def block_plans(self, o: Option, own: int) -> list[tuple[int, BlockPlan]]:
         """(level after, plan) for each part the streamed node may keep (the part already there, `own`, reused), and
@@ -377,17 +377,22 @@ def best(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[i
 def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[int], names: list[str],
            nodes: list[NodeCost], sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
            pins_for: Callable[[set[str]], frozenset[str]], prov: list[Variant]) -> Chosen:
+    """The module's rule: pass 3's plan and the programme's path at each of BYTE_PRICES, then BISECT more prices
+    between the dearest whose path is within WITHIN of the fastest and the next, which is not (a path that copies
+    fewer bytes and is still fast enough lies there, if the programme has one); of those within WITHIN of the
+    fastest, the fewest bytes."""
     runs = [first]
     while len(runs) < HORIZON:
         runs.append(greedy(runs[-1].end))
-    if not any(a.moved for a in runs):  # pass 3 moves nothing: nothing to gain
-        return Chosen(None, frozenset())
+    if not any(a.moved for a in runs[1:]):  # pass 3 moves nothing after the first run, whose loads read each model
+        return Chosen(None, frozenset())   # once: its plan stands (streaming them instead is not for a first run)
     candidates = [(total(runs), Chosen(None, frozenset()))]
-    session = Session(nodes, sizes, budget, cm, start, frozenset(start.pinned) | pins_for(set()))
-    for price in BYTE_PRICES:
+    session = Session(nodes, sizes, budget, cm, start)
+
+    def priced(price: float) -> tuple[float, int] | None:
         path = session.paths(HORIZON, price)
         if not path:
-            continue
+            return None
         moved = {session.models[j] for run in path for mv in run for j in mv.drop}
         moved |= {mv.blocks.model for run in path for mv in run if mv.blocks is not None}
         pins = pins_for(moved)
@@ -396,5 +401,21 @@ def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list
             done.append(follow(run, order, names, nodes, sizes, budget, cm, at, pins, session.models, prov))
             at = done[-1].end
         candidates.append((total(done), Chosen(tuple(path[0]), frozenset(moved))))
+        return candidates[-1][0]
+
+    got = {price: priced(price) for price in BYTE_PRICES}
+
+    def fast_enough(price: float) -> bool:
+        t = got[price]
+        return t is not None and t[0] <= min(c[0][0] for c in candidates) * (1 + WITHIN)
+
+    ok = [p for p in BYTE_PRICES if fast_enough(p)]
+    lo = max(ok, default=0.0)
+    hi = min((p for p in BYTE_PRICES if p > lo), default=None)
+    for _ in range(BISECT if hi is not None else 0):
+        assert hi is not None
+        mid = (lo + hi) / 2
+        got[mid] = priced(mid)
+        lo, hi = (mid, hi) if fast_enough(mid) else (lo, mid)
     fastest = min(t for (t, _), _ in candidates)
     return min((c for c in candidates if c[0][0] <= fastest * (1 + WITHIN)), key=lambda c: c[0][1])[1]

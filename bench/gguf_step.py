@@ -44,18 +44,28 @@ def write_files(folder: Path, variant: str, kind: str, tiny: bool = False, text_
     if text_encoder:
         size = "8B" if variant == "klein-9b" else "4B"
         out["text_encoder"] = folder / "text_encoders" / f"Qwen3-{size}-{kind}.gguf"
-        shapes = {"model." + k: v for k, v in qwen3_config.parameter_shapes(te_cfg).items()}
-        write_random_gguf(out["text_encoder"], shapes, kind, arch="qwen3", llama_names=True)
+        write_random_gguf(out["text_encoder"], checkpoint_shapes(te_cfg), kind, arch="qwen3", llama_names=True)
     return out
 
 
+def checkpoint_shapes(cfg: qwen3_config.Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Qwen3's tensors as a whole checkpoint holds them (Hugging Face names): all `num_layers` layers and the final
+    norm. We read the first `n_built` layers; ComfyUI builds every layer and needs each one's weights."""
+    every = dataclasses.replace(cfg, output_layers=(cfg.num_layers,))
+    return {"model." + k: v for k, v in qwen3_config.parameter_shapes(every).items()} | {
+        "model.norm.weight": (cfg.hidden_size,)}
+
+
 def _configs(variant: str, tiny: bool) -> tuple:
+    """The variant's transformer and text encoder configs; `tiny`: small ones that fit each other (the text
+    encoder's rows are whole 256-element K-quant blocks, its hidden states the transformer's context)."""
     if not tiny:
         return VARIANTS[variant]
     from vramgraph.models.tiny import TINY_QWEN3, TINY_TRANSFORMER
 
-    return TINY_TRANSFORMER, dataclasses.replace(TINY_QWEN3, hidden_size=256, intermediate_size=256, num_heads=2,
-                                                 num_kv_heads=1, head_dim=128)
+    te = dataclasses.replace(TINY_QWEN3, hidden_size=256, intermediate_size=256, num_heads=2, num_kv_heads=1,
+                             head_dim=128, num_layers=28)
+    return dataclasses.replace(TINY_TRANSFORMER, context_dim=te.out_dim), te
 
 
 def dequantized_copy(model: torch.nn.Module, build: Callable[[], torch.nn.Module], dtype: torch.dtype

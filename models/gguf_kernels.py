@@ -22,6 +22,8 @@ explicit masks, integer arithmetic on int32.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -233,7 +235,8 @@ def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torc
         blocks = blocks.clone(memory_format=torch.contiguous_format)
     n = blocks.shape[0]
     out = torch.empty(n * size, dtype=dtype, device=raw.device)
-    if n:
-        kernel[(triton.cdiv(n, per_program),)](blocks, blocks.view(torch.float16), out, n, BB=per_program,
-                                               enable_fp_fusion=False)
+    if n:  # Triton launches on the current device, torch ops on their tensors': make the blocks' device current
+        with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
+            kernel[(triton.cdiv(n, per_program),)](blocks, blocks.view(torch.float16), out, n, BB=per_program,
+                                                   enable_fp_fusion=False)
     return out.reshape(shape)

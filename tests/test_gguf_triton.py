@@ -81,6 +81,18 @@ def test_triton_kernels_equal_the_torch_reference_on_the_gpu(kind):
 
 
 @pytest.mark.gpu
+def test_blocks_on_a_second_gpu_are_dequantized_there():
+    """Triton launches on the current device: blocks on cuda:1 while cuda:0 is current still give their values."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    raw = blocks("Q4_K", 6, 768, seed=7).to("cuda:1")
+    with torch.cuda.device(0):
+        got = dequantize(raw, "Q4_K", (6, 768), torch.bfloat16)
+    assert got.device == raw.device
+    assert torch.equal(got, reference(raw, "Q4_K", (6, 768)).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
 def test_gguf_model_computes_the_same_on_either_path(tmp_path, kind):
     """A tiny text encoder (linears and a quantized embedding table) on the GPU in bf16: the kernels' weights are the

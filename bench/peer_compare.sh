@@ -83,7 +83,8 @@ finish() {  # always: the comparisons of what ran, the logs tarball, the failed 
     [ "${LORAS:-}" = 1 ] && { timeout 60 python3 bench/peer_lora.py compare $L comfy ours $OUT/peer_lora.json || fail "lora compare"; }
     [ "${BASE:-}" = 1 ] && { timeout 120 python3 bench/peer_base.py compare $L $OUT/peer_base.json || fail "base compare"; }
     [ "${GGUF:-}" = 1 ] && { timeout 120 python3 bench/peer_gguf.py compare $L $OUT/peer_gguf.json || fail "gguf compare"; }
-    [ -n "$ALL_JOBS" ] && { timeout 120 python3 bench/peer_compare.py $L $P $OUT/${NAME:-peer_compare}.json || fail "compare"; }
+    local res=($L/results_*_*.json)  # the shared client's jobs ran (JOBS, or SETTING:JOB,...)
+    [ ${#res[@]} -gt 0 ] && { timeout 120 python3 bench/peer_compare.py $L $P $OUT/${NAME:-peer_compare}.json || fail "compare"; }
   fi
   cp $L/page_cache.log $L/hold_*.json $OUT/ 2>/dev/null
   (cd $T && tar -czf $OUT/peer_logs.tgz --exclude='*.png' peerlogs)  # the logs in one file (PNGs are too big)

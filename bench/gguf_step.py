@@ -48,16 +48,22 @@ def write_files(folder: Path, variant: str, kind: str, tiny: bool = False, text_
     if text_encoder:
         size = "8B" if variant == "klein-9b" else "4B"
         out["text_encoder"] = folder / "text_encoders" / f"Qwen3-{size}-{kind}.gguf"
-        write_random_gguf(out["text_encoder"], checkpoint_shapes(te_cfg), kind, arch="qwen3", llama_names=True)
+        shapes = checkpoint_shapes(te_cfg, lm_head=variant == "klein-9b")
+        write_random_gguf(out["text_encoder"], shapes, kind, arch="qwen3", llama_names=True)
     return out
 
 
-def checkpoint_shapes(cfg: qwen3_config.Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Qwen3's tensors as a whole checkpoint holds them (Hugging Face names): all `num_layers` layers and the final
-    norm. We read the first `n_built` layers; ComfyUI builds every layer and needs each one's weights."""
+def checkpoint_shapes(cfg: qwen3_config.Qwen3Config, lm_head: bool) -> dict[str, tuple[int, ...]]:
+    """Qwen3's tensors as a whole checkpoint holds them (Hugging Face names): all `num_layers` layers, the final
+    norm and, for a model whose output is not tied to its embeddings (Qwen3-8B; Qwen3-4B's is tied), `lm_head`
+    (llama.cpp's output.weight). We read the first `n_built` layers; ComfyUI builds every layer, and the 8B's
+    lm_head, and ComfyUI-GGUF gives a Linear missing from the file a zero fp32 matrix (2.5 GB for that lm_head)."""
     every = dataclasses.replace(cfg, output_layers=(cfg.num_layers,))
-    return {"model." + k: v for k, v in qwen3_config.parameter_shapes(every).items()} | {
-        "model.norm.weight": (cfg.hidden_size,)}
+    out = {"model." + k: v for k, v in qwen3_config.parameter_shapes(every).items()}
+    out["model.norm.weight"] = (cfg.hidden_size,)
+    if lm_head:
+        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return out
 
 
 def _configs(variant: str, tiny: bool) -> tuple:

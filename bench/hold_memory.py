@@ -2,6 +2,7 @@
 N GiB - 0.25 GiB stays free (what a card without a display shows at start), until it is killed.
 
     python3 bench/hold_memory.py --card-gib 12 --out hold.json &     # bench/peer_compare.sh's cardN settings
+    python3 bench/hold_memory.py --card-gib 12 --out hold.json --fake-device-gib 80   # no GPU: a simulated device
 
 Rules: the holder is a separate process with its own CUDA context (counted in what it holds, as the other
 processes on a user's machine are); it allocates with torch in chunks of at most 4 GiB until cudaMemGetInfo's free
@@ -78,30 +79,57 @@ def write_atomic(path: Path, report: dict) -> None:
     os.replace(tmp, path)
 
 
+class FakeDevice:
+    """A device of `total` bytes with nothing on it, for running this script without a GPU."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used = total, 0
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.total - self.used, self.total
+
+    def take(self, n: int) -> int:
+        self.used += n
+        return n
+
+
+def hold(card_gib: float, fake_gib: float | None) -> tuple[dict, list]:
+    """Take the memory: (the report, what holds it: keep it referenced)."""
+    target = target_free(card_gib)
+    if fake_gib is not None:
+        dev = FakeDevice(int(fake_gib * GiB))
+        info, take, sizes = dev.mem_get_info, dev.take, lambda held: sum(held)
+        errors: tuple[type[BaseException], ...] = (HoldError,)
+    else:
+        import torch
+
+        torch.empty(1, device="cuda")  # this process's context first: it is part of what is held
+        info, sizes = torch.cuda.mem_get_info, lambda held: sum(t.numel() for t in held)
+        take = lambda n: torch.empty(n, dtype=torch.uint8, device="cuda")  # noqa: E731
+        errors = (HoldError, torch.OutOfMemoryError)
+    try:
+        held = fill(target, lambda: info()[0], take)
+    except errors as e:
+        sys.exit(f"hold_memory: cannot leave {card_gib} GiB - 0.25 GiB free: {e}")
+    have, total = info()
+    return {"card_gib": card_gib, "target_free_bytes": target, "free_bytes": have, "total_bytes": total,
+            "held_bytes": total - have, "allocated": sizes(held), "fake_device": fake_gib is not None,
+            "nvml_used_bytes": None if fake_gib is not None else nvml_used(), "pid": os.getpid()}, held
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--card-gib", type=float, required=True, help="the card to emulate, GiB")
     ap.add_argument("--out", type=Path, required=True, help="JSON written once the memory is held")
+    ap.add_argument("--fake-device-gib", type=float, help="no GPU: simulate an empty device of this size")
     a = ap.parse_args()
-    import torch
-
-    torch.cuda.init()
-    torch.empty(1, device="cuda")  # this process's context first: it is part of what is held
-    target = target_free(a.card_gib)
-    free = lambda: torch.cuda.mem_get_info()[0]  # noqa: E731
-    try:
-        held = fill(target, free, lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"))
-    except (HoldError, torch.OutOfMemoryError) as e:
-        sys.exit(f"hold_memory: cannot leave {a.card_gib} GiB - 0.25 GiB free: {e}")
-    have, total = torch.cuda.mem_get_info()
-    report = {"card_gib": a.card_gib, "target_free_bytes": target, "free_bytes": have, "total_bytes": total,
-              "held_bytes": total - have, "allocated_by_torch": sum(t.numel() for t in held),
-              "nvml_used_bytes": nvml_used(), "pid": os.getpid()}
+    report, held = hold(a.card_gib, a.fake_device_gib)
+    have, total, target = report["free_bytes"], report["total_bytes"], report["target_free_bytes"]
     write_atomic(a.out, report)
     print(f"hold_memory: card {a.card_gib} GiB: {have / GiB:.3f} GiB free of {total / GiB:.2f} (target "
           f"{target / GiB:.3f}), holding {(total - have) / GiB:.3f} GiB", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while True:
+    while held:  # until killed
         signal.pause()
 
 

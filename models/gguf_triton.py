@@ -6,10 +6,11 @@ The rules, per call of `gguf_dequant.dequantize` on GGML blocks (`DISPATCH.run`)
 - the kernels run where the bytes are on a CUDA device, Triton imports, the output dtype is fp32, bf16 or fp16, the
   type has a kernel (all ten GGML block types do) and its kernel has not failed on that device;
 - inside `torch.compile` tracing the torch code is used, so that the compiled graph holds plain torch ops that the
-  compiler fuses itself (a Triton launch with our compile options is not something dynamo traces);
+  compiler fuses itself (dynamo's support for user Triton kernels, with our launch options, is not relied on);
 - anything else takes the torch code, and the first call that does so for a reason logs one line naming what was
-  not available (issue #34's rule): "the CPU", "Triton (No module named 'triton')", "the Triton Q4_K kernel
-  (error ...)"; a kernel that fails to compile or launch is not tried again on that device.
+  not available (issue #34's rule): "the CPU", "Triton (ModuleNotFoundError: No module named 'triton')",
+  "the Triton Q4_K kernel writing torch.bfloat16 (error ...)"; a kernel that fails to compile or launch is not
+  tried again on that device for that dtype.
 
 Both paths give the same values: the kernels compute the reference's fp32 products, in its order, without fused
 multiply-adds, and round once (models/gguf_kernels.py; tests/test_gguf_triton.py).
@@ -43,7 +44,7 @@ class Dispatch:
     def __init__(self, kernels: ModuleType | None, missing: str = "", devices: tuple[str, ...] = ("cuda",)) -> None:
         self.kernels, self.missing, self.devices = kernels, missing, devices
         self.enabled = True
-        self.failed: dict[tuple[str, str], str] = {}  # (type, device) -> why its kernel is not used there
+        self.failed: dict[tuple[str, torch.dtype, str], str] = {}  # (type, dtype, device) -> why not used there
         self.said: set[str] = set()
 
     def unavailable(self, device: torch.device, kind: str, dtype: torch.dtype) -> str | None:
@@ -56,7 +57,7 @@ class Dispatch:
             return f"a Triton kernel for {kind}"
         if dtype not in self.kernels.DTYPES:
             return f"a Triton kernel writing {dtype}"
-        return self.failed.get((kind, str(device)))
+        return self.failed.get((kind, dtype, str(device)))
 
     def run(self, raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """`raw`'s blocks dequantized by the kernel into `dtype`, or None where the torch code is to run instead."""
@@ -69,7 +70,9 @@ class Dispatch:
             except torch.OutOfMemoryError:
                 raise  # not the kernel's fault: the torch code would need more memory still
             except Exception as e:  # a compile or launch failure (no ptxas, a card Triton does not support, ...)
-                why = self.failed[(kind, str(raw.device))] = f"the Triton {kind} kernel ({type(e).__name__}: {e})"
+                first = (str(e).strip().splitlines() or [""])[0]  # a compile error goes on for pages
+                why = f"the Triton {kind} kernel writing {dtype} ({type(e).__name__}: {first})"
+                self.failed[(kind, dtype, str(raw.device))] = why
         if why not in self.said:
             self.said.add(why)
             log.info("GGUF dequantization on %s: torch code (not available: %s)", raw.device, why)

@@ -212,7 +212,7 @@ class FailingKernels:
 
     def dequantize(self, raw, kind, shape, dtype):
         self.calls += 1
-        raise RuntimeError("ptxas not found")
+        raise RuntimeError("ptxas not found\n(and pages of the compiler's output)")
 
 
 def _lines(caplog) -> list[str]:
@@ -241,12 +241,12 @@ def test_a_failing_kernel_falls_back_once_and_is_not_tried_again(caplog):
         with dispatch.torch_code():  # switched off: not tried, nothing said
             assert dispatch.run(blocks("Q5_K", 1, 256, seed=5), "Q5_K", (256,), torch.bfloat16) is None
     assert kernels.calls == 2  # Q4_K once, Q8_0 once
-    assert set(dispatch.failed) == {("Q4_K", "cpu"), ("Q8_0", "cpu")}
+    assert set(dispatch.failed) == {("Q4_K", torch.bfloat16, "cpu"), ("Q8_0", torch.bfloat16, "cpu")}
     assert _lines(caplog) == [
-        "GGUF dequantization on cpu: torch code (not available: the Triton Q4_K kernel (RuntimeError: ptxas not "
-        "found))",
-        "GGUF dequantization on cpu: torch code (not available: the Triton Q8_0 kernel (RuntimeError: ptxas not "
-        "found))"]
+        "GGUF dequantization on cpu: torch code (not available: the Triton Q4_K kernel writing torch.bfloat16 "
+        "(RuntimeError: ptxas not found))",
+        "GGUF dequantization on cpu: torch code (not available: the Triton Q8_0 kernel writing torch.bfloat16 "
+        "(RuntimeError: ptxas not found))"]
     assert Dispatch(None, "Triton (ModuleNotFoundError: No module named 'triton')").unavailable(
         torch.device("cuda"), "Q4_K", torch.bfloat16) == "Triton (ModuleNotFoundError: No module named 'triton')"
     assert Dispatch(kernels).unavailable(torch.device("cuda"), "Q4_K", torch.float64) == \

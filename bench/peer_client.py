@@ -4,7 +4,8 @@ against the real ComfyUI and `vramgraph serve`, following the conventions of the
 the `executing` events (a node runs until the next one starts), wait for /history, fetch the PNG through /view,
 sample NVML's used memory every 0.1 s.
 
-    python3 bench/peer_client.py wait --port 8188 [--pid PID] [--timeout 150]   # until the server answers
+    python3 bench/peer_client.py wait --port 8188 [--pid PID] [--timeout 150] [--record ready.json]
+                                                         # until the server answers (seconds into --record)
 
 Rules: a job's record says `cold` only when it was the server's first prompt (its /history was empty when the
 client started); `sampler_s` is the SamplerCustomAdvanced node's seconds, `step_s` those over the scheduler's
@@ -228,6 +229,12 @@ def write_part(out: Path, kind: str, label: str, report: dict) -> int:
     return 1 if report["failed"] else 0
 
 
+def _ready(folder: Path, label: str) -> float | None:
+    """Seconds server `label` took to answer after its start (`wait --record`), None if not recorded."""
+    f = folder / f"ready_{label}.json"
+    return json.loads(f.read_text())["ready_s"] if f.exists() else None
+
+
 def _held(folder: Path, label: str) -> int | None:
     """Bytes the card emulation's holder held while server `label` ran (bench/hold_memory.py), None if none."""
     f = folder / f"hold_{label}.json"
@@ -294,7 +301,8 @@ def compare(folder: Path, kind: str) -> dict:
         warm = [r["wall_ours_over_comfyui"] for r in rows.values() if not r["comfyui"]["cold"]]
         cold = [r["wall_ours_over_comfyui"] for r in rows.values() if r["comfyui"]["cold"]]
         report["settings"][setting] = {
-            "server_ready_s": {"comfyui": rc.get("server_ready_s"), "ours": ro.get("server_ready_s")},
+            "server_ready_s": {"comfyui": _ready(folder, f"comfy_{setting}"),
+                               "ours": _ready(folder, f"ours_{setting}")},
             "held_gib": {"comfyui": round(hc / GiB, 3) if hc else None, "ours": round(ho / GiB, 3) if ho else None},
             "wall_ours_over_comfyui": {"cold": cold[0] if cold else None, "warm": warm}, "jobs": rows}
     return report
@@ -321,6 +329,7 @@ def main() -> None:
     w.add_argument("--port", type=int, required=True)
     w.add_argument("--pid", type=int)
     w.add_argument("--timeout", type=float, default=150)
+    w.add_argument("--record", type=Path, help="write {\"ready_s\": seconds} here")
     a = ap.parse_args()
 
     async def wait() -> float:
@@ -328,9 +337,12 @@ def main() -> None:
             return await wait_ready(s, f"http://127.0.0.1:{a.port}", a.timeout, a.pid)
 
     try:
-        print(f"server on port {a.port} answered after {asyncio.run(wait())} s", flush=True)
+        ready = asyncio.run(wait())
     except RuntimeError as e:
         sys.exit(f"FAILED: {e}")
+    print(f"server on port {a.port} answered after {ready} s", flush=True)
+    if a.record:
+        a.record.write_text(json.dumps({"ready_s": ready}))
 
 
 if __name__ == "__main__":

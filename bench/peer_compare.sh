@@ -185,7 +185,8 @@ server() {
   pid=$!
   RAN=1
   c="--port $port --label $label --pid $pid"
-  if part wait_$label 160 python3 bench/peer_client.py wait --port $port --pid $pid --timeout 150; then
+  if part wait_$label 160 python3 bench/peer_client.py wait --port $port --pid $pid --timeout 150 \
+       --record $L/ready_$label.json; then
     wanted GGUF $setting && { echo gguf >> $L/order_$label.txt; part gguf_$label 300 python3 bench/peer_gguf.py run $c --out $L --png $P $TINY; }
     wanted BASE $setting && { echo base >> $L/order_$label.txt
       part base_$label 300 python3 bench/peer_base.py run $c --out $L --png $P ${BASE_JOBS:+--jobs $BASE_JOBS} $TINY; }

@@ -8,7 +8,7 @@
 #   .whl/gguf-*.whl            the `gguf` package (ComfyUI-GGUF's and our reader of .gguf files), kept if present,
 #                              else downloaded from PyPI (pure Python; its numpy, pyyaml, requests, tqdm are on the
 #                              GPU image)
-# Nothing from the mirror is ever committed. The carry of a run with GGUF=1 (7 paths, ~12 MiB):
+# Nothing from the mirror is ever committed. The carry of a run with GGUF=1 (7 paths, ~52 MiB of the 64 allowed):
 #   [".whl/peer", ".whl/ckpt_script", ".whl/wheels", ".whl/comfy.tar.xz", ".whl/tok", ".whl/comfyui_gguf.tar.xz",
 #    ".whl/gguf-0.19.0-py3-none-any.whl"]
 set -eu

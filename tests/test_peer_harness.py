@@ -123,6 +123,10 @@ def test_base_and_gguf_parts_run_and_compare(server) -> None:
     port, pid, folder = server
     logs, pngs = folder / "logs", folder / "pngs"
     logs.mkdir()
+    for label in ("comfy_card8", "ours_card8"):  # as peer_compare.sh waits for each server
+        r = _run("peer_client.py", "wait", "--port", port, "--pid", str(pid), "--record",
+                 str(logs / f"ready_{label}.json"))
+        assert r.returncode == 0, r.stdout + r.stderr
     for script, kind in (("peer_base.py", "base"), ("peer_gguf.py", "gguf")):
         for label in ("comfy_card8", "ours_card8"):
             r = _run(script, "run", "--port", port, "--pid", str(pid), "--label", label, "--out", str(logs),
@@ -133,6 +137,7 @@ def test_base_and_gguf_parts_run_and_compare(server) -> None:
         assert r.returncode == 0, r.stdout + r.stderr
         rep = json.loads(out.read_text())
         assert rep["problems"] == [] and list(rep["settings"]) == ["card8"]
+        assert rep["settings"]["card8"]["server_ready_s"]["ours"] >= 0
         jobs = rep["settings"]["card8"]["jobs"]
         assert len(jobs) == (2 if kind == "base" else 3)
         for row in jobs.values():

@@ -8,8 +8,8 @@ set and a LoRA change never reads the base file again. The nodes that run the mo
 predicted seconds and bytes):
 
 - merged: one pass over each changed layer before the node runs; nothing per step. The merge stays on the
-  resident weights for the next node using the same chain; another chain first restores the layers from the pinned
-  host copy (models/lora.py).
+  resident weights for the next node using the same chain, in this prompt or the next (whose plan counts it as done:
+  `share_merges`); another chain first restores the layers from the pinned host copy (models/lora.py).
 - on the fly: each changed layer adds its low-rank product to its output every call; the adapters and one layer's
   extra output are on the GPU while the node runs. Streamed blocks and fp8 layers always take LoRAs this way.
 
@@ -38,12 +38,15 @@ log = logging.getLogger("vramgraph.lora")
 STRENGTH = (FLOAT, {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01})  # ComfyUI's LoraLoader inputs
 FOLDER = "loras"
 
-# Predicted seconds of applying LoRAs. No GPU was available to measure them (unlike the constants of
-# nodes/estimates.py): they are the H200's spec-sheet figures with an assumed efficiency, to be replaced by
-# bench measurements. Both ways are bound by memory traffic, not by the low-rank matmuls.
-HBM_BYTES_PER_S = 4.8e12 * 0.6  # H200 HBM3e 4.8 TB/s (spec sheet), 60 % of it reached by elementwise kernels
-H2D_PINNED_BYTES_PER_S = 55.3e9  # host->GPU from pinned memory, H200 measured (graph/plantypes.py CostModel)
-KERNEL_SECONDS = 6e-6  # one small kernel launch with its sync-free overhead (assumed)
+# Predicted seconds of applying LoRAs. ASSUMED, NOT MEASURED (unlike the constants of nodes/estimates.py): the H200's
+# spec-sheet figures with an assumed efficiency. Both ways are bound by memory traffic, not by the low-rank matmuls.
+# How they get measured: `bash bench/run_device.sh lora_cost` on the GPU (bench/lora_cost.py) times models/lora.py's
+# merge and restore per GiB of the layers changed, and a model call with the on-the-fly hooks against one without
+# (klein-4B's widths, ranks 16 and 64, at 1024² and at 76 tokens), each against these constants' prediction; its
+# `suggested` values replace the three below, with the results file and commit named here.
+HBM_BYTES_PER_S = 4.8e12 * 0.6  # assumed: H200 HBM3e 4.8 TB/s (spec sheet) at 60 % (merge pass: 3 x the layer bytes)
+H2D_PINNED_BYTES_PER_S = 55.3e9  # host->GPU from pinned memory, H200 measured (graph/plan/types.py CostModel); restore
+KERNEL_SECONDS = 6e-6  # assumed: one small kernel launch with its sync-free overhead
 KERNELS_PER_ADAPTER = 3  # on the fly: x @ down.T, @ up.T, the add
 
 

@@ -109,3 +109,26 @@ def test_a_different_strength_is_not_the_merge_on_the_weights(models):
                    merged={key: merge_signature(v.lora)})
     w = _chosen(prep, "11")
     assert w.lora_mode == "merged" and not w.lora.warm and re.search(r"merged into 89 layers \(", w.note)
+
+
+def test_the_cost_bench_measures_what_the_plan_predicts(tmp_path, monkeypatch):
+    """bench/lora_cost.py (run on the GPU by the lead: `bash bench/run_device.sh lora_cost`), here on the tiny model:
+    it measures the layers the LoRA changes and sets each beside the plan's own prediction for them."""
+    import importlib
+
+    from vramgraph.models.tiny import TINY_TRANSFORMER
+    from vramgraph.nodes import lora as lora_nodes
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    bench = importlib.import_module("lora_cost")
+    out = tmp_path / "lora_cost.json"
+    assert bench.main([str(out), "--tiny", "--ranks", "2", "--repeats", "1"]) == 0
+    report = json.loads(out.read_text())
+    shapes = flux2_config.parameter_shapes(TINY_TRANSFORMER)
+    linear = {p: s for p, s in shapes.items() if len(s) == 2}
+    merge, fly = report["ranks"]["2"]["merge"], report["ranks"]["2"]["fly"]
+    assert merge["layer_bytes"] == sum(o * i * 4 for o, i in linear.values())  # every linear layer, fp32
+    assert merge["predicted_merge_s"] == pytest.approx(3 * merge["layer_bytes"] / lora_nodes.HBM_BYTES_PER_S)
+    assert merge["merge_s"] > 0 and merge["merge_ratio"] == round(merge["merge_s"] / merge["predicted_merge_s"], 3)
+    assert fly["layers"] == len(linear) and fly["real"]["predicted_extra_s"] > 0
+    assert report["assumed"]["KERNEL_SECONDS"] == lora_nodes.KERNEL_SECONDS and report["suggested"]["KERNEL_SECONDS"]

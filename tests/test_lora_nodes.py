@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from test_engine import core_text_to_image, folders_for, pixels
 from test_lora import ref_merge
 from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
 from vramgraph.graph.workflow.errors import NodeExecutionError, ValidationFailed
 from vramgraph.models import flux2_config, lora_format
 from vramgraph.models.lora_make import text_encoder_modules, transformer_modules, write_lora
@@ -167,7 +168,8 @@ def test_a_warm_merge_is_free_in_the_plan_and_not_done_again(device, lora_models
     warm = engine.run(prep)
     assert _moves(engine, mark) == []  # no file read, no load, no merge, no restore
     fresh = Engine(folders_for(lora_models, input_dir, tmp_path / "fresh"), device=device).run(g)
-    assert np.array_equal(pixels(warm.images[0]), pixels(fresh.images[0]))  # the same picture as merged from cold
+    diff = np.abs(pixels(warm.images[0]).astype(int) - pixels(fresh.images[0]).astype(int))
+    assert diff.max() <= (0 if device == "cpu" else 1)  # the picture of a merge made from cold (GPU kernels may vary)
 
     g2 = copy.deepcopy(g)
     g2["20"]["inputs"]["strength_model"] = 0.5
@@ -182,17 +184,20 @@ def test_a_warm_merge_is_free_in_the_plan_and_not_done_again(device, lora_models
 
 @ON_EACH_DEVICE
 def test_switching_loras_reads_no_file_and_never_writes_the_host_copy(device, lora_models, input_dir, tmp_path):
-    """LoRA sets one after another, merged into the resident weights: each switch restores the layers from the host
-    copy (pinned on a GPU; no file read, no load), and the host copy keeps the checkpoint's weights throughout."""
-    engine = Engine(folders_for(lora_models, input_dir, tmp_path), device=device)
+    """LoRA sets one after another, merged into the weights, on a card that cannot hold the three models at once (so
+    every model gets a host copy, pinned on a GPU): no switch reads a model file again, and the host copy keeps the
+    checkpoint's weights throughout (a merge writes GPU weights, or new tensors on the CPU, and restores from it)."""
+    folders = folders_for(lora_models, input_dir, tmp_path)
     g = core_text_to_image("a fox", seed=5, steps=1, size=64)
+    weights = sum(m.nbytes for m in Engine(folders, device=device).prepare(with_lora(g)).plan.models.values())
+    engine = Engine(folders, device=device, budget=planner.Budget(gpu=weights, host=8 * 2**30))
     engine.run(with_lora(g))
     mark = engine.ledger.events.mark()
     for prompt in (chained(with_lora(g, sm=0.7), "sub/detail.safetensors", 0.5), g, with_lora(g, sm=-1.0, sc=0.4)):
         engine.run(prompt)
-    moves = _moves(engine, mark)
-    assert not [m for m in moves if m[0] in ("pin", "load")]
-    assert moves.count(("merge", "transformer")) == 2 and ("restore", "transformer") in moves
+    events = engine.ledger.events.since(mark)
+    assert not [e for e in events if e.kind == "pin" or e.source == "file"]  # no model file read again
+    assert sum(e.kind == "merge" for e in events) >= 2
     e = next(e for e in engine.ledger.entries.values() if e.info.kind == "transformer")
     on_file = load_file(str(lora_models / "diffusion_models" / UNET))
     assert e.copy is not None and e.copy.host.keys() >= on_file.keys()

@@ -157,6 +157,10 @@ class NodeContext:
         e = self.engine.ledger.entries.get(handle.key)
         return e.copy.host if e is not None and e.copy is not None else None
 
+    def lora_applied(self, handle: ModelHandle, done: Any) -> None:
+        """A merge (or its undoing) on the model's weights, noted in the ledger (graph/engine/ledger.py `note_lora`)."""
+        self.engine.ledger.note_lora(handle.key, done)
+
     def kept_blocks(self, handle: ModelHandle) -> Kept:
         """Where a node that streams the model finds the resident part an earlier node left on the GPU, and leaves
         its own (models/streaming.py; the plan counts it as resident until a node needs the room)."""
@@ -420,7 +424,8 @@ class Engine:
         resident = self.ledger.model_costs()
         return prepare(prompt, self.nodes, self.folders, self.catalog, budget, self.cost, repeat=repeat,
                        outputs=outputs, cached=self._cache.keys(),
-                       start=self.ledger.residency(), resident=resident, context=self.planning)
+                       start=self.ledger.residency(), resident=resident, context=self.planning,
+                       merged=self.ledger.merged())
 
     # -- running
     def _blas_workspace(self) -> None:

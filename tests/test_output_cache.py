@@ -13,11 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from vramgraph.graph.engine.cache import CacheEntry, OutputCache, array_bytes
 from vramgraph.graph.engine.executor import Cancel, Engine
 from vramgraph.graph.engine.run import RunState
 from vramgraph.nodes.files import Folders
-from vramgraph.nodes.types import INT, STRING, Cost
+from vramgraph.nodes.types import INT, STRING, Cost, ModelInfo
+from vramgraph.nodes.values import ModelHandle
 from vramgraph.server.messages import QueueItem
 from vramgraph.server.queue import PromptQueue, Worker
 
@@ -54,9 +56,10 @@ def test_over_the_bytes_the_biggest_go_first_and_handles_stay() -> None:
     assert list(cache) == ["loader"]
 
 
-def test_an_array_shared_by_entries_counts_once() -> None:
+def test_an_array_shared_by_entries_counts_once_and_a_model_handle_none() -> None:
     shared = np.zeros(64, np.uint8)
     assert array_bytes([shared, {"x": shared}, (shared,)]) == 64
+    assert array_bytes((torch.zeros(2, 3), ModelHandle(ModelInfo("t", "transformer", "transformer", 2**30)))) == 24
     cache = OutputCache(max_bytes=64)
     assert cache.keep({"a": CacheEntry((shared,)), "b": CacheEntry(([shared, {"again": shared}],))}) == []
     assert cache.nbytes == 64

@@ -15,7 +15,8 @@ Over either bound the entries holding the most array bytes go first, and among e
 array and loaders run first, so the loaders' entries, which keep their models' weights in the ledger, go last.
 
 The engine owns its cache: `clear()` empties it (ComfyUI's /free), `close()` empties it for good (the engine
-has ended; what a later run would keep is dropped). Torch-free: an array is anything with an integer `nbytes`.
+has ended; what a later run would keep is dropped). Torch-free: an array is anything with a `shape` and an integer
+`nbytes` (a tensor, a numpy array; not a ModelInfo, whose `nbytes` are weights the ledger holds).
 """
 
 from __future__ import annotations
@@ -38,17 +39,17 @@ class CacheEntry:
 
 
 def array_bytes(value: Any, seen: set[int] | None = None) -> int:
-    """The bytes of the arrays (anything with an integer `nbytes`: tensors, numpy arrays) in `value`, looked for
-    in tuples, lists, dicts and dataclasses; an array already in `seen` (by id) counts 0, and is added to it.
+    """The bytes of the arrays (anything with a `shape` and an integer `nbytes`: tensors, numpy arrays) in `value`,
+    looked for in tuples, lists, dicts and dataclasses; an array already in `seen` (by id) counts 0, and is added.
 
     >>> class A:
-    ...     nbytes = 8
+    ...     shape, nbytes = (2,), 8
     >>> a = A()
     >>> array_bytes(([a, {"x": a}], A()))
     16
     """
     seen = set() if seen is None else seen
-    if isinstance(getattr(value, "nbytes", None), int):
+    if hasattr(value, "shape") and isinstance(getattr(value, "nbytes", None), int):
         if id(value) in seen:
             return 0
         seen.add(id(value))

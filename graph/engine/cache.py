@@ -26,7 +26,7 @@ from collections.abc import Iterator, KeysView, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-MAX_ENTRIES = 1000  # entries kept at most (a batch of 16 prompts of the shipped workflows makes about 150)
+MAX_ENTRIES = 1000  # entries kept at most (a batch of 16 text-to-image prompts, loaders shared, makes 83 at most)
 MAX_BYTES = 8 * 2**30  # array bytes kept at most (a 1024x1024 image is 12 MiB as a float32 IMAGE)
 
 

@@ -79,8 +79,8 @@ class Finding:
 def library_modules() -> Iterator[tuple[str, ast.Module]]:
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in NOT_LIBRARY or "__pycache__" in rel.parts:
-            continue
+        if rel.parts[0] in NOT_LIBRARY or "__pycache__" in rel.parts or rel.parts[0].startswith("."):
+            continue  # (hidden folders: a device carry such as .whl/, never part of the package)
         yield rel.as_posix(), ast.parse(path.read_text(), str(path))
 
 

@@ -1,5 +1,7 @@
 """GGUF against bf16 for the full-size klein transformer at 1024²: the dequantizing step's overhead over a bf16 step,
-weight bytes and activation peaks, all in one run on the same random weights.
+weight bytes and activation peaks, all in one run on the same random weights. The GGUF step is timed with the
+Triton dequantizer (models/gguf_triton.py: on a GPU where Triton imports; `gguf_dequant` says which path ran) and,
+once, with the torch code it replaces; `dequantize_all` times the dequantization of every layer alone, both ways.
 
 For each GGML type asked for, a random full-size transformer GGUF (klein-4B or klein-9B shapes, BFL names, arch
 "flux" as ComfyUI-GGUF writes it; block linears as random blocks with small scales, models/gguf_write.py) is written
@@ -9,6 +11,7 @@ model computes with), so the outputs differ by bf16 rounding only. The Qwen3 tex
 the same way with --text-encoder (one 512-token prompt).
 
     python bench/gguf_step.py OUT.json [--variant klein-9b] [--types Q8_0,Q4_K] [--steps 5] [--text-encoder]
+    bash bench/run_device.sh gguf_step --variant klein-9b --types Q8_0,Q4_K --text-encoder   # on the device
     python bench/gguf_step.py --write DIR [--variant klein-9b] [--types Q4_K]   # the files only (side by side)
     python bench/gguf_step.py OUT.json --tiny                                   # tiny, on the CPU: checks the script
 """
@@ -29,6 +32,7 @@ import torch
 from _common import peak_on, rel_l2, timed_on
 from vramgraph.models import flux2, flux2_config, loading, qwen3_config
 from vramgraph.models.gguf_layers import GGUFEmbedding, GGUFLinear
+from vramgraph.models.gguf_triton import DISPATCH
 from vramgraph.models.gguf_write import write_random_gguf
 
 GiB = 2**30
@@ -44,18 +48,34 @@ def write_files(folder: Path, variant: str, kind: str, tiny: bool = False, text_
     if text_encoder:
         size = "8B" if variant == "klein-9b" else "4B"
         out["text_encoder"] = folder / "text_encoders" / f"Qwen3-{size}-{kind}.gguf"
-        shapes = {"model." + k: v for k, v in qwen3_config.parameter_shapes(te_cfg).items()}
+        shapes = checkpoint_shapes(te_cfg, lm_head=variant == "klein-9b")
         write_random_gguf(out["text_encoder"], shapes, kind, arch="qwen3", llama_names=True)
     return out
 
 
+def checkpoint_shapes(cfg: qwen3_config.Qwen3Config, lm_head: bool) -> dict[str, tuple[int, ...]]:
+    """Qwen3's tensors as a whole checkpoint holds them (Hugging Face names): all `num_layers` layers, the final
+    norm and, for a model whose output is not tied to its embeddings (Qwen3-8B; Qwen3-4B's is tied), `lm_head`
+    (llama.cpp's output.weight). We read the first `n_built` layers; ComfyUI builds every layer, and the 8B's
+    lm_head, and ComfyUI-GGUF gives a Linear missing from the file a zero fp32 matrix (2.5 GB for that lm_head)."""
+    every = dataclasses.replace(cfg, output_layers=(cfg.num_layers,))
+    out = {"model." + k: v for k, v in qwen3_config.parameter_shapes(every).items()}
+    out["model.norm.weight"] = (cfg.hidden_size,)
+    if lm_head:
+        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return out
+
+
 def _configs(variant: str, tiny: bool) -> tuple:
+    """The variant's transformer and text encoder configs; `tiny`: small ones that fit each other (the text
+    encoder's rows are whole 256-element K-quant blocks, its hidden states the transformer's context)."""
     if not tiny:
         return VARIANTS[variant]
     from vramgraph.models.tiny import TINY_QWEN3, TINY_TRANSFORMER
 
-    return TINY_TRANSFORMER, dataclasses.replace(TINY_QWEN3, hidden_size=256, intermediate_size=256, num_heads=2,
-                                                 num_kv_heads=1, head_dim=128)
+    te = dataclasses.replace(TINY_QWEN3, hidden_size=256, intermediate_size=256, num_heads=2, num_kv_heads=1,
+                             head_dim=128, num_layers=28)
+    return dataclasses.replace(TINY_TRANSFORMER, context_dim=te.out_dim), te
 
 
 def dequantized_copy(model: torch.nn.Module, build: Callable[[], torch.nn.Module], dtype: torch.dtype
@@ -78,7 +98,8 @@ def _weights(model: torch.nn.Module) -> int:
 
 
 def _compare(quant: torch.nn.Module, plain: torch.nn.Module, step, steps: int, dev: torch.device) -> dict:
-    """Step time, activation peak and output of the GGUF model and of its bf16 copy."""
+    """Step time, activation peak and output of the GGUF model (dequantized by the Triton kernels where they run)
+    and of its bf16 copy; and one timed step of the GGUF model on the torch code, the path the kernels replace."""
     out: dict = {}
     ys = {}
     for name, m in (("bf16", plain), ("gguf", quant)):
@@ -86,10 +107,46 @@ def _compare(quant: torch.nn.Module, plain: torch.nn.Module, step, steps: int, d
         times = timed_on(lambda m=m: step(m), steps, dev)
         out[name] = {"step_s": statistics.median(times), "steps_s": times, "weights_bytes": _weights(m),
                      "activation_peak_bytes": peak_on(lambda m=m: step(m), dev)}
+    with DISPATCH.torch_code():
+        y_torch = step(quant).float()
+        out["gguf_torch_code"] = {"step_s": timed_on(lambda: step(quant), 1, dev)[0],
+                                  "activation_peak_bytes": peak_on(lambda: step(quant), dev)}
+    out["gguf_dequant"] = _dequant_path(quant, dev)
     out["step_overhead_vs_bf16"] = out["gguf"]["step_s"] / out["bf16"]["step_s"]
+    out["step_overhead_torch_code_vs_bf16"] = out["gguf_torch_code"]["step_s"] / out["bf16"]["step_s"]
+    out["gguf_equals_torch_code"] = bool(torch.equal(ys["gguf"], y_torch))  # the same weights: the same output
     out["weights_vs_bf16"] = out["gguf"]["weights_bytes"] / out["bf16"]["weights_bytes"]
     out["rel_l2_gguf_vs_bf16"] = rel_l2(ys["gguf"], ys["bf16"])
+    out["dequantize_all"] = _dequantize_all(quant, dev)
     return out
+
+
+def _gguf_layers(model: torch.nn.Module) -> list[GGUFLinear]:
+    return [m for m in model.modules() if isinstance(m, GGUFLinear)]
+
+
+def _dequant_path(model: torch.nn.Module, dev: torch.device) -> str:
+    """"triton" where every GGUF linear's blocks go to a kernel, else the reasons they do not."""
+    why = {DISPATCH.unavailable(dev, m.kind, m.compute_dtype) for m in _gguf_layers(model)} - {None}
+    return "triton" if not why else "torch code: " + "; ".join(sorted(map(str, why)))
+
+
+def _dequantize_all(model: torch.nn.Module, dev: torch.device, repeats: int = 3) -> dict:
+    """Seconds to dequantize every GGUF linear of `model` once (what one step adds to the bf16 step), by the
+    kernels and by the torch code, and the kernels' bytes moved (blocks read, weights written) per second."""
+    layers = _gguf_layers(model)
+
+    def all_layers() -> None:
+        for m in layers:
+            m.dequantized()
+
+    all_layers()
+    fast = statistics.median(timed_on(all_layers, repeats, dev))
+    with DISPATCH.torch_code():
+        slow = timed_on(all_layers, 1, dev)[0]
+    moved = sum(m.weight.numel() + m.in_features * m.out_features * m.compute_dtype.itemsize for m in layers)
+    return {"layers": len(layers), "kernels_s": fast, "torch_code_s": slow, "torch_code_over_kernels": slow / fast,
+            "kernels_bytes_per_s": moved / fast}
 
 
 def bench_transformer(path: Path, side: int, steps: int, dev: torch.device, dt: torch.dtype) -> dict:

@@ -1,12 +1,18 @@
 """Summarise a side-by-side run (bench/peer_compare.sh): ours / ComfyUI per job and setting, memory, pixels.
 
     python3 bench/peer_compare.py LOGS_DIR PNG_DIR OUT.json
+
+The shared client's first job (1024_s42) is "cold 1024²" only where it was the server's first prompt; where other
+parts ran before it on that server (`order_<label>.txt`, written by peer_compare.sh), it is named after them. A
+setting whose runs failed (a server that never answered, a job with an error, a side missing) is listed under
+`problems`, and the script exits 1 after writing the report.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -36,6 +42,28 @@ def pixels(a: Path, b: Path) -> dict | None:
             "identical_pixels": round(float((d.max(axis=2) == 0).mean()), 4)}
 
 
+def setting_order(setting: str) -> tuple:
+    """capN and cardN from the largest card down, uncapped last."""
+    m = re.fullmatch(r"(cap|card)(\d+)", setting)
+    return (setting == "uncapped", -int(m[2]) if m else 0, setting)
+
+
+def job_name(job: str, logs: Path, setting: str) -> str:
+    before = [p for label in ("comfy", "ours") if (f := logs / f"order_{label}_{setting}.txt").exists()
+              for p in f.read_text().split()]
+    if job == "1024_s42" and before and before[0] != "bench":
+        return f"1024² after {'+'.join(sorted(set(before) - {'bench'}))} (not cold)"
+    return NAMES.get(job, job)
+
+
+def problems_of(setting: str, side: str, res: dict | None) -> list[str]:
+    if res is None:
+        return [f"{setting}: no results of {side}"]
+    out = [f"{setting} {side}: {res['error']}"] if res.get("error") else []
+    return out + [f"{setting} {side} {r.get('job')}: {str(r['error'])[:300]}" for r in res.get("jobs", [])
+                  if r.get("error")]
+
+
 def job_row(rec: dict) -> dict:
     mem = rec.get("mem_after") or {}
     return {"wall_s": rec.get("wall_s"), "server_exec_s": rec.get("server_exec_s"),
@@ -47,10 +75,11 @@ def job_row(rec: dict) -> dict:
 
 def main() -> None:
     logs, pngs, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    report: dict = {"settings": {}}
-    found = sorted(f.name[len("results_comfy_"):-5] for f in logs.glob("results_comfy_*.json"))
-    for setting in sorted(found, key=lambda s: (s == "uncapped", -int(s[3:]) if s[3:].isdigit() else 0)):
+    report: dict = {"settings": {}, "problems": []}
+    found = {f.name.split("_", 2)[2][:-5] for f in logs.glob("results_*_*.json")}
+    for setting in sorted(found, key=setting_order):
         comfy, ours = _load(logs / f"results_comfy_{setting}.json"), _load(logs / f"results_ours_{setting}.json")
+        report["problems"] += problems_of(setting, "ComfyUI", comfy) + problems_of(setting, "ours", ours)
         if comfy is None or ours is None:
             continue
         rows = {}
@@ -58,7 +87,7 @@ def main() -> None:
         by_o = {r["job"]: r for r in ours["jobs"]}
         for job in by_c:
             c, o = job_row(by_c[job]), job_row(by_o.get(job, {}))
-            rows[NAMES.get(job, job)] = {
+            rows[job_name(job, logs, setting)] = {
                 "comfyui": c, "ours": o,
                 "ours_over_comfyui": round(o["wall_s"] / c["wall_s"], 3) if c["wall_s"] and o["wall_s"] else None,
                 "pixels": pixels(pngs / f"ours_{setting}_{job}.png", pngs / f"comfy_{setting}_{job}.png")}
@@ -91,6 +120,8 @@ def main() -> None:
     for setting, s in report["settings"].items():
         print(setting, {k: (v["ours_over_comfyui"], (v["pixels"] or {}).get("mean_abs")) for k, v in s["jobs"].items()},
               "queue", (s["queue_of_8_1024"] or {}).get("ours_over_comfyui"), "nvml", s["nvml_peak_overall_gib"])
+    if report["problems"]:
+        sys.exit("peer_compare FAILED: " + "; ".join(report["problems"]))
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def pinned_h2d() -> float:
 
 def reset(engine: Engine) -> None:
     """Start of a cell: all weights in pinned host RAM, nothing on the GPU, no cached outputs."""
-    engine._cache.clear()
+    engine.cache.clear()
     for key in list(engine.ledger.entries):
         engine.ledger.ensure_pinned(key)  # a model the last plan never pinned would otherwise reload from the file
     for key in list(engine.ledger.on_gpu):

@@ -140,13 +140,19 @@ def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torc
     """A tensor of `shape` in `dtype` from its stored bytes `raw` (uint8, any shape; `kind` a GGUF type name).
 
     Computed in fp32 (bit for bit the `gguf` package's values), then cast to `dtype`; for a `dtype` other than fp32
-    at most `chunk_elements` elements (whole blocks) are in fp32 at once.
+    at most `chunk_elements` elements (whole blocks) are in fp32 at once. Bytes on a CUDA device go to the Triton
+    kernels instead (the same values, straight into `dtype`: models/gguf_triton.py), where Triton imports.
     """
     if kind in PLAIN:
         return raw.reshape(-1).view(PLAIN[kind]).reshape(shape).to(dtype)
     fn = BLOCK_DEQUANT.get(kind)
     if fn is None:
         raise ValueError(f"GGUF type {kind} is not one vramgraph dequantizes ({', '.join([*PLAIN, *BLOCK_DEQUANT])})")
+    from .gguf_triton import DISPATCH  # imported here: Triton is imported on the first GGUF layer's call, not before
+
+    fast = DISPATCH.run(raw, kind, shape, dtype)  # the Triton kernels where the bytes are on a CUDA device
+    if fast is not None:
+        return fast
     size, nbytes = GGML_BLOCKS[kind]
     blocks = raw.reshape(-1, nbytes)
     chunk_blocks = max(1, chunk_elements // size)

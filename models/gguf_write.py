@@ -26,20 +26,25 @@ QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants can q
 # where each block type keeps its fp16 scales (d, and dmin or m), by byte offset in the block
 SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
           "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}
+# types with a min: the second scale is the first times this, so that random quants and sub-block scales average
+# to 0 (K-quants: d*sc*q - dmin*m with sc, m alike and dmin = d * mean(q); Q4_1/Q5_1: d*q + m, m = -d * mean(q))
+CENTRE = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5, "Q4_1": -7.5, "Q5_1": -15.5}
 # the fp16 scale that makes random blocks' weights a few hundredths (sub-block scales and quants multiply it)
-SIZE = {"Q2_K": 1e-3, "Q3_K": 3e-4, "Q4_K": 1.5e-4, "Q5_K": 8e-5, "Q6_K": 1e-5,
+SIZE = {"Q2_K": 1e-3, "Q3_K": 3e-4, "Q4_K": 6e-5, "Q5_K": 3e-5, "Q6_K": 1e-5,
         "Q8_0": 2e-4, "Q4_0": 4e-3, "Q4_1": 2e-3, "Q5_0": 2e-3, "Q5_1": 1e-3}
 
 
 def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, scale: float | None = None
                   ) -> np.ndarray:
-    """Random bytes of `rows` x `cols` elements in `kind`, with each block's fp16 scales small and finite."""
+    """Random bytes of `rows` x `cols` elements in `kind`, with each block's fp16 scales small and finite and its
+    weights centred on 0 (random weights of one sign would grow a deep model's activations layer by layer)."""
     size, nbytes = GGML_BLOCKS[kind]
     scale = SIZE[kind] if scale is None else scale
     raw = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
-    for at in SCALES[kind]:
-        d = (rng.uniform(0.25, 1.0, (rows, cols // size)) * scale).astype(np.float16)
-        raw[:, :, at:at + 2] = d.view(np.uint8).reshape(rows, cols // size, 2)
+    d = (rng.uniform(0.25, 1.0, (rows, cols // size)) * scale).astype(np.float32)
+    for i, at in enumerate(SCALES[kind]):  # d, then the min's scale (or the min) that centres the block on 0
+        v = (d if i == 0 else d * CENTRE[kind]).astype(np.float16)
+        raw[:, :, at:at + 2] = v.view(np.uint8).reshape(rows, cols // size, 2)
     return raw.reshape(rows, -1)
 
 

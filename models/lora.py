@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lora_format import LoraError, LoraFile, Target
+from .lora_format import LoraError, LoraFile, Target, use_signature
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +132,7 @@ class Use:
 
     @property
     def signature(self) -> tuple:
-        st = self.file.path.stat()
-        return (str(self.file.path), st.st_size, st.st_mtime_ns, self.component, float(self.strength))
+        return use_signature(self.file.path, self.component, self.strength)
 
 
 def read_adapters(use: Use) -> list[Adapter]:
@@ -199,17 +199,20 @@ class _Merged:
     inplace: dict[str, bool]
 
 
-def restore(module: nn.Module) -> None:
-    """Undo a merge: every merged layer gets its weights from before (no file is read)."""
+def restore(module: nn.Module) -> int:
+    """Undo a merge: every merged layer gets its weights from before (no file is read); bytes restored."""
     st: _Merged | None = module.__dict__.pop(_STATE, None)
     if st is None:
-        return
+        return 0
+    restored = 0
     for name, base in st.base.items():
         p = module.get_parameter(name)
         if st.inplace[name]:
             p.data.copy_(base, non_blocking=False)
         else:
             p.data = base.to(p.device)
+        restored += p.numel() * p.element_size()
+    return restored
 
 
 def forget(module: nn.Module) -> None:
@@ -218,21 +221,34 @@ def forget(module: nn.Module) -> None:
 
 
 def merged_signature(module: nn.Module) -> tuple | None:
+    """The signatures (`Use.signature`, chain order) of the LoRAs merged into the module's weights now; None: none."""
     st = module.__dict__.get(_STATE)
     return st.signature if st is not None else None
 
 
-def merge(module: nn.Module, uses: Sequence[Use], host: Mapping[str, torch.Tensor] | None = None) -> int:
-    """Merge `uses` into the module's plain (not fp8) layers, first undoing another merged set; bytes written.
+@dataclass(frozen=True)
+class Applied:
+    """What `applied` did before its block ran: the bytes of weights it merged (0 when the same LoRAs were merged
+    already) and restored (another set's merge undone), the seconds that took, and the layers it hooked (on the fly)."""
+
+    mode: str
+    merged: int = 0
+    restored: int = 0
+    seconds: float = 0.0
+    hooked: int = 0
+
+
+def merge(module: nn.Module, uses: Sequence[Use], host: Mapping[str, torch.Tensor] | None = None) -> Applied:
+    """Merge `uses` into the module's plain (not fp8) layers, first undoing another merged set.
 
     `host`: the model's pinned host copy (parameter name -> tensor), if it has one: GPU weights are restored from it
     later, so nothing is copied aside; without it, the layers a merge changes are first copied to the host."""
     signature = tuple(u.signature for u in uses if u.strength != 0)
     if merged_signature(module) == signature:
-        return 0
-    restore(module)
+        return Applied("merged")
+    restored = restore(module)
     if not signature:
-        return 0
+        return Applied("merged", restored=restored)
     by_param: dict[str, list[tuple[Adapter, float]]] = {}
     for a, s in _adapters(module, uses):
         if not _is_quantized(_linear_of(module, a.target.param)):
@@ -257,7 +273,7 @@ def merge(module: nn.Module, uses: Sequence[Use], host: Mapping[str, torch.Tenso
                 w.copy_(new)
             written += w.numel() * w.element_size()
     module.__dict__[_STATE] = st
-    return written
+    return Applied("merged", written, restored)
 
 
 def a_merge(a: Adapter, w: torch.Tensor, strength: float, device: torch.device) -> torch.Tensor:
@@ -303,18 +319,18 @@ class _Hook:
 
 @contextlib.contextmanager
 def applied(module: nn.Module, uses: Sequence[Use], mode: str = "merged",
-            host: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
+            host: Mapping[str, torch.Tensor] | None = None) -> Iterator[Applied]:
     """The module with `uses` applied while the block runs: merged (the merge stays after the block, for the next
     node using the same set) or on the fly (hooks, removed after). fp8 layers always take them on the fly. Every
-    adapter is read (and checked) before any weight changes."""
+    adapter is read (and checked) before any weight changes. Yields what it did (`Applied`)."""
     if mode not in MODES:
         raise ValueError(f"unknown LoRA mode {mode!r}; use one of {', '.join(MODES)}")
     live = [u for u in uses if u.strength != 0]
     _adapters(module, live)  # a damaged file fails here, with nothing changed
-    if mode == "merged":
-        merge(module, live, host)
-    else:
-        restore(module)
+    t0 = time.perf_counter()
+    done = merge(module, live, host) if mode == "merged" else Applied(mode, restored=restore(module))
+    if done.merged or done.restored:
+        _sync(module)
     hooks = []
     if live:
         by_layer: dict[str, list[tuple[Adapter, float]]] = {}
@@ -326,7 +342,14 @@ def applied(module: nn.Module, uses: Sequence[Use], mode: str = "merged",
             layer = _linear_of(module, name)
             hooks.append(layer.register_forward_hook(_Hook(layer, items)))
     try:
-        yield
+        yield Applied(mode, done.merged, done.restored, time.perf_counter() - t0, len(hooks))
     finally:
         for h in hooks:
             h.remove()
+
+
+def _sync(module: nn.Module) -> None:
+    """Wait for the module's device (a merge's seconds are measured, not only queued)."""
+    p = next(module.parameters(), None)
+    if p is not None and p.device.type == "cuda":
+        torch.cuda.synchronize(p.device)

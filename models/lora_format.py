@@ -251,6 +251,13 @@ def _style(modules: Iterable[str]) -> str:
     return " + ".join(sorted(styles))
 
 
+def use_signature(path: str | Path, component: str, strength: float) -> tuple:
+    """One LoRA file (this version of it) applied to one component at one strength. A merge records the signatures of
+    its LoRAs in chain order (models/lora.py); the plan compares them with what it is to apply (nodes/lora.py)."""
+    st = os.stat(path)
+    return (str(path), st.st_size, st.st_mtime_ns, component, float(strength))
+
+
 def read(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, dict[str, str]]]:
     """The tensor table of a LoRA file and its tensors grouped by module; LoraError if it is not one we apply."""
     path = Path(path)

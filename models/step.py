@@ -153,6 +153,20 @@ def _time_cuda(fn: Callable[[], object], reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_candidates(candidates: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    timer: Callable[[Callable[[], object]], float]) -> tuple[dict[str, float], list[str]]:
+    """The seconds `timer` gives each candidate's attention on q, k, v ("sdpa": SDPA's own choice), and the names
+    that could not run."""
+    seconds, missing = {}, []
+    for name in candidates:
+        fn = attend_fn(name) or F.scaled_dot_product_attention
+        try:
+            seconds[name] = timer(lambda fn=fn: fn(q, k, v))
+        except RuntimeError:  # no such kernel for this GPU, dtype or shape ("No available kernel")
+            missing.append(name)
+    return seconds, missing
+
+
 @torch.no_grad()
 def pick_attention(device: torch.device, dtype: torch.dtype, batch: int, heads: int, tokens: int, head_dim: int,
                    candidates: tuple[str, ...] = ("sdpa", *_CANDIDATES)
@@ -163,13 +177,7 @@ def pick_attention(device: torch.device, dtype: torch.dtype, batch: int, heads: 
     if device.type != "cuda":
         return "sdpa", {}, tuple(c for c in candidates if c != "sdpa")
     q, k, v = (torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype) for _ in range(3))
-    seconds, missing = {}, []
-    for name in candidates:
-        fn = attend_fn(name)
-        try:
-            seconds[name] = _time_cuda(lambda fn=fn: fn(q, k, v))
-        except RuntimeError:  # no such kernel for this GPU, dtype or shape ("No available kernel")
-            missing.append(name)
+    seconds, missing = time_candidates(candidates, q, k, v, _time_cuda)
     if not seconds:
         return "sdpa", {}, tuple(missing)
     best = min(seconds, key=seconds.__getitem__)

@@ -167,6 +167,9 @@ class ComfyContext:
     def host_weights(self, handle: ModelHandle) -> dict[str, torch.Tensor] | None:
         return None  # LoRAs are applied on the fly inside ComfyUI: no merge to undo
 
+    def lora_applied(self, handle: ModelHandle, done: Any) -> None:
+        pass  # on the fly, nothing merged: nothing for ComfyUI to record
+
     def kept_blocks(self, handle: ModelHandle) -> None:
         return None  # nothing stays on the GPU between nodes here
 

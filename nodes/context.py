@@ -51,6 +51,9 @@ class Context(Protocol):
 
     def host_weights(self, handle: ModelHandle) -> dict[str, torch.Tensor] | None: ...  # host copy by name, if read
 
+    def lora_applied(self, handle: ModelHandle, done: Any) -> None: ...  # what applying its LoRAs did (models/lora.py
+    #                                                                      Applied: bytes merged, restored), recorded
+
     def kept_blocks(self, handle: ModelHandle) -> Any: ...  # models/streaming.py Kept, or None: nothing kept
 
     def resident_blocks(self, handle: ModelHandle) -> tuple[int, ...]: ...  # blocks of a streamed model kept on GPU

@@ -8,8 +8,8 @@ set and a LoRA change never reads the base file again. The nodes that run the mo
 predicted seconds and bytes):
 
 - merged: one pass over each changed layer before the node runs; nothing per step. The merge stays on the
-  resident weights for the next node using the same chain; another chain first restores the layers from the pinned
-  host copy (models/lora.py).
+  resident weights for the next node using the same chain, in this prompt or the next (whose plan counts it as done:
+  `share_merges`); another chain first restores the layers from the pinned host copy (models/lora.py).
 - on the fly: each changed layer adds its low-rank product to its output every call; the adapters and one layer's
   extra output are on the GPU while the node runs. Streamed blocks and fp8 layers always take LoRAs this way.
 
@@ -38,12 +38,15 @@ log = logging.getLogger("vramgraph.lora")
 STRENGTH = (FLOAT, {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01})  # ComfyUI's LoraLoader inputs
 FOLDER = "loras"
 
-# Predicted seconds of applying LoRAs. No GPU was available to measure them (unlike the constants of
-# nodes/estimates.py): they are the H200's spec-sheet figures with an assumed efficiency, to be replaced by
-# bench measurements. Both ways are bound by memory traffic, not by the low-rank matmuls.
-HBM_BYTES_PER_S = 4.8e12 * 0.6  # H200 HBM3e 4.8 TB/s (spec sheet), 60 % of it reached by elementwise kernels
-H2D_PINNED_BYTES_PER_S = 55.3e9  # host->GPU from pinned memory, H200 measured (graph/plantypes.py CostModel)
-KERNEL_SECONDS = 6e-6  # one small kernel launch with its sync-free overhead (assumed)
+# Predicted seconds of applying LoRAs. ASSUMED, NOT MEASURED (unlike the constants of nodes/estimates.py): the H200's
+# spec-sheet figures with an assumed efficiency. Both ways are bound by memory traffic, not by the low-rank matmuls.
+# How they get measured: `bash bench/run_device.sh lora_cost` on the GPU (bench/lora_cost.py) times models/lora.py's
+# merge and restore per GiB of the layers changed, and a model call with the on-the-fly hooks against one without
+# (klein-4B's widths, ranks 16 and 64, at 1024² and at 76 tokens), each against these constants' prediction; its
+# `suggested` values replace the three below, with the results file and commit named here.
+HBM_BYTES_PER_S = 4.8e12 * 0.6  # assumed: H200 HBM3e 4.8 TB/s (spec sheet) at 60 % (merge pass: 3 x the layer bytes)
+H2D_PINNED_BYTES_PER_S = 55.3e9  # host->GPU from pinned memory, H200 measured (graph/plan/types.py CostModel); restore
+KERNEL_SECONDS = 6e-6  # assumed: one small kernel launch with its sync-free overhead
 KERNELS_PER_ADAPTER = 3  # on the fly: x @ down.T, @ up.T, the add
 
 
@@ -166,6 +169,8 @@ class LoraChoice:
     base: Variant
     count: int  # LoRAs in the chain
     layers: int  # layers they change, counted per LoRA
+    component: str = ""  # the model's kind: "transformer", "text_encoder"
+    warm: bool = False  # counted as merged already: the resident weights hold this chain from an earlier prompt
 
 
 def with_lora_costs(model: ModelInfo, variants: tuple[Variant, ...], tokens: int, calls: int,
@@ -178,21 +183,27 @@ def with_lora_costs(model: ModelInfo, variants: tuple[Variant, ...], tokens: int
     chain = (model.key, tuple((r.path, r.source, r.strength) for r in model.loras))
     out = []
     for v in variants:
-        choice = LoraChoice(chain, c, v, len(model.loras), sum(r.layers for r in model.loras))
+        choice = LoraChoice(chain, c, v, len(model.loras), sum(r.layers for r in model.loras), model.kind)
         mode = "onthefly" if model.placement == "cpu" and v.name == "cpu" else c.mode(_streamed(v))
         out.append(_applied_way(choice, mode))
     return tuple(out)
 
 
 def _applied_way(choice: LoraChoice, mode: str, why: str = "") -> Variant:
-    """The variant without LoRAs (`choice.base`) with what applying them `mode`'s way adds."""
+    """The variant without LoRAs (`choice.base`) with what applying them `mode`'s way adds ("warm": merged, and the
+    merge is on the resident weights already, so only the fp8 layers' part on the fly is left)."""
     v, c = choice.base, choice.cost
-    if mode == "merged":
+    fp8 = f"; its fp8 layers on the fly: {c.fp8_seconds:.3f} s, {c.fp8_bytes / 2**20:.0f} MiB" if c.fp8_bytes else ""
+    adapters = f"{c.adapter_bytes / 2**20:.1f} MiB of adapters"
+    if mode == "warm":
+        extra, secs = c.fp8_bytes, c.fp8_seconds
+        what = f"{choice.count} LoRA(s) merged into {choice.layers} layers already (kept on the resident weights " \
+               f"from an earlier prompt: 0 s, 0 MiB to merge{fp8})"
+        choice, mode = dataclasses.replace(choice, warm=True), "merged"
+    elif mode == "merged":
         extra, secs = max(c.merge_transient, c.fp8_bytes), c.merge_seconds + c.fp8_seconds
-        what = f"{choice.count} LoRA(s) merged into {choice.layers} layers{why} ({c.merge_seconds:.3f} s once, " \
-               f"{c.merge_transient / 2**20:.0f} MiB while merging" + \
-               (f"; its fp8 layers on the fly: {c.fp8_seconds:.3f} s, {c.fp8_bytes / 2**20:.0f} MiB)"
-                if c.fp8_bytes else ")")
+        what = f"{choice.count} LoRA(s) merged into {choice.layers} layers{why} ({adapters}; " \
+               f"{c.merge_seconds:.3f} s once, {c.merge_transient / 2**20:.0f} MiB while merging{fp8})"
     else:
         extra, secs = c.adapter_bytes + c.fly_activation, c.fly_seconds
         what = f"{choice.count} LoRA(s) on the fly ({c.adapter_bytes / 2**20:.1f} MiB of adapters, " \
@@ -204,11 +215,18 @@ def _applied_way(choice: LoraChoice, mode: str, why: str = "") -> Variant:
                                lora_mode=mode, lora=choice)
 
 
-def share_merges(costs: Mapping[str, Cost]) -> dict[str, Cost]:
-    """One merge serves every node of a prompt (or a queue planned as one) that runs the same model with the same
-    LoRAs, since it stays on the resident weights: when those nodes' on-the-fly seconds add up to more than one
-    merge, their resident variants merge (each still counts the merge's bytes; the seconds of one merge each, an
-    upper bound). Streamed variants stay on the fly."""
+def share_merges(costs: Mapping[str, Cost], merged: Mapping[str, tuple] | None = None) -> dict[str, Cost]:
+    """The nodes of a prompt (or of a queue planned as one) that run the same model with the same LoRAs, knowing that
+    a merge stays on the resident weights:
+
+    - already merged: `merged` (model key -> the signature of the LoRAs merged into its GPU-resident weights now, as
+      the engine's ledger tells) holds their chain, so their variants that keep the model resident take it merged at
+      no cost (the plan is checked to keep the model resident until then: graph/engine/planning.py);
+    - else one merge serves them all: when their on-the-fly seconds add up to more than one merge, their resident
+      variants merge (each still counts the merge's bytes; the seconds of one merge each, an upper bound).
+
+    Streamed variants stay on the fly."""
+    merged = merged or {}
     groups: dict[tuple, list[str]] = {}
     for node, cost in costs.items():
         chains = {v.lora.chain for v in cost.variants if v.lora is not None and v.lora_mode and not _streamed(v)}
@@ -216,18 +234,37 @@ def share_merges(costs: Mapping[str, Cost]) -> dict[str, Cost]:
             groups.setdefault(chain, []).append(node)
     out = dict(costs)
     for chain, nodes in groups.items():
-        mine = {n: [v.lora.cost for v in costs[n].variants
-                    if v.lora is not None and v.lora.chain == chain and not _streamed(v)] for n in nodes}
-        fly = sum(max(c.fly_seconds for c in cs) for cs in mine.values())
-        merged = mine[nodes[0]][0].merge_seconds + sum(max(c.fp8_seconds for c in cs) for cs in mine.values())
-        if len(nodes) < 2 or fly <= merged:
-            continue
-        why = f", shared by {len(nodes)} nodes"
+        mine = {n: [v.lora for v in costs[n].variants if _resident(v, chain)] for n in nodes}
+        first = mine[nodes[0]][0]
+        if chain[0] in merged and merged[chain[0]] == merge_signature(first):
+            way, why = "warm", ""
+        else:
+            fly = sum(max(c.cost.fly_seconds for c in cs) for cs in mine.values())
+            once = first.cost.merge_seconds + sum(max(c.cost.fp8_seconds for c in cs) for cs in mine.values())
+            if len(nodes) < 2 or fly <= once:
+                continue
+            way, why = "merged", f", shared by {len(nodes)} nodes"
         for n in nodes:
-            variants = tuple(_applied_way(v.lora, "merged", why) if v.lora is not None and v.lora.chain == chain and
-                             not _streamed(v) and v.lora_mode == "onthefly" else v for v in costs[n].variants)
+            variants = tuple(_applied_way(v.lora, way, why) if _resident(v, chain) and (
+                chain[0] in v.models if way == "warm" else v.lora_mode == "onthefly") else v for v in costs[n].variants)
             out[n] = dataclasses.replace(costs[n], variants=variants)
     return out
+
+
+def merge_signature(choice: LoraChoice) -> tuple:
+    """What merging the choice's chain records on the weights (models/lora.py `merged_signature`): its files as they
+    are now, component and strengths; () when a file is gone (it cannot be what is merged)."""
+    from ..models.lora_format import use_signature
+
+    try:
+        return tuple(use_signature(path, choice.component, strength) for path, _, strength in choice.chain[1])
+    except OSError:
+        return ()
+
+
+def _resident(v: Variant, chain: tuple) -> bool:
+    """A variant that applies `chain` and does not stream its model."""
+    return v.lora is not None and v.lora.chain == chain and not _streamed(v)
 
 
 def _streamed(v: Variant) -> bool:
@@ -257,7 +294,8 @@ def applied(vg: Context, handle: ModelHandle, module: Any) -> Iterator[Any]:
 
     chosen = vg.chosen
     mode = (chosen.lora_mode if chosen is not None else "") or ("merged" if chosen is not None else "onthefly")
-    with lora.applied(module, _uses(handle.info), mode, vg.host_weights(handle)):
+    with lora.applied(module, _uses(handle.info), mode, vg.host_weights(handle)) as done:
+        vg.lora_applied(handle, done)
         yield module
 
 

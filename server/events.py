@@ -24,8 +24,6 @@ from .messages import QueueItem
 if TYPE_CHECKING:
     from .queue import Worker
 
-MAX_UI_CACHE = 1000  # node outputs remembered for cached output nodes (then forgotten all at once)
-
 
 @dataclass(eq=False)
 class Member:
@@ -165,11 +163,17 @@ class Translation:
             m.ran.extend(cached)
             self.send(m, "execution_cached", msg.cached(m.pid, cached), keep=True)  # as ComfyUI: empty too
             for orig in cached:  # as ComfyUI: a cached output node shows its last output again
-                ui = self.worker.ui_cache.get(self.prep.signatures.get(m.rename[orig], ""))
+                ui = self.cached_ui(m.rename[orig])
                 if ui is not None:
                     m.ui[orig] = ui
                     self.send(m, "executed", msg.executed(m.pid, orig, ui))
         self._settle(self.members)
+
+    def cached_ui(self, node: str) -> dict | None:
+        """The ui the run's cached node `node` returned when it ran: its entry's in the engine's one output cache
+        (graph/engine/cache.py), read while the run that reported it cached holds the engine."""
+        entry = self.worker.engine.cache.get(self.prep.signatures[node])
+        return entry.ui if entry is not None else None
 
     def _executing(self, data: dict) -> None:
         node = data.get("node")
@@ -200,11 +204,6 @@ class Translation:
         node, output = data["node"], data.get("output")
         if self.early:
             self._note(node, data)
-        if output is not None:
-            ui_cache = self.worker.ui_cache
-            if len(ui_cache) > MAX_UI_CACHE:
-                ui_cache.clear()
-            ui_cache[self.prep.signatures[node]] = output
         for m, orig in self.running(node):
             m.ran.append(orig)
             self.send(m, "progress_state", m.progress.finish(orig))

@@ -213,7 +213,6 @@ class Worker:
         self.client_id: str | None = None  # the running prompt's client
         self.last_node: str | None = None
         self.plan_message: dict | None = None  # the running prompt's vramgraph.plan data, for reconnecting pages
-        self.ui_cache: dict[str, dict] = {}  # node signature -> its ui, re-sent when the engine reports it cached
         self._lock = threading.Lock()  # guards the three below: /interrupt's thread against the worker's
         self._stopping: set[str] = set()  # taken prompts asked to stop (a targeted /interrupt)
         self._targets: dict[str, tuple[str, ...]] = {}  # running prompt -> its output nodes in the running graph

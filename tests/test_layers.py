@@ -38,6 +38,7 @@ PURE = [
     "graph.workflow.roles", "graph.plan", "graph.plan.planner", "graph.plan.types", "graph.plan.early",
     "graph.plan.residency", "graph.plan.sizes", "graph.plan.order", "graph.plan.assign", "graph.plan.placement",
     "graph.draw", "graph.draw.timeline", "graph.engine", "graph.engine.planning", "graph.engine.budget",
+    "graph.engine.cache", "graph.engine.run",
     "graph.engine.runtime", "api",
     "nodes", "nodes.types", "nodes.estimates", "nodes.catalog", "nodes.files", "nodes.core", "nodes.vg",
     "nodes.output", "nodes.comfy", "nodes.foreign",

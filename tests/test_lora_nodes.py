@@ -23,8 +23,9 @@ from safetensors.torch import load_file, save_file
 from test_engine import core_text_to_image, folders_for, pixels
 from test_lora import ref_merge
 from vramgraph.graph.engine.executor import Engine
+from vramgraph.graph.plan import planner
 from vramgraph.graph.workflow.errors import NodeExecutionError, ValidationFailed
-from vramgraph.models import flux2_config
+from vramgraph.models import flux2_config, lora_format
 from vramgraph.models.lora_make import text_encoder_modules, transformer_modules, write_lora
 from vramgraph.models.tiny import TINY_QWEN3, TINY_TRANSFORMER
 
@@ -127,6 +128,83 @@ def test_chained_loras_and_strength_zero(engine):
     off = engine.run(chained(with_lora(g, sm=0.0, sc=0.0), "sub/detail.safetensors", 0.0))
     # 0 = off: the base weights again, though the run before merged a LoRA into them
     assert np.array_equal(pixels(off.images[0]), pixels(base.images[0]))
+
+
+def _chosen(prep, node: str):
+    """The variant the plan runs `node` with."""
+    name = prep.plan.variant_of(node)
+    return next(v for v in prep.costs[node].variants if v.name == name)
+
+
+def _moves(engine: Engine, mark: int) -> list[tuple[str, str]]:
+    """(kind, model label) of the ledger's events since `mark`: loads, pins (file reads), merges, restores."""
+    return [(e.kind, engine.ledger.entries[e.model].info.label) for e in engine.ledger.events.since(mark)]
+
+
+ON_EACH_DEVICE = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+
+
+@ON_EACH_DEVICE
+def test_a_warm_merge_is_free_in_the_plan_and_not_done_again(device, lora_models, input_dir, tmp_path):
+    """The next prompt with the same LoRAs (a new text: the encode and the sampler run again) finds them merged on the
+    resident weights: the plan counts 0 s and 0 bytes for them and the run merges nothing. A new model strength merges
+    the transformer again (its earlier merge restored from the host copy first), not the text encoder."""
+    engine = Engine(folders_for(lora_models, input_dir, tmp_path), device=device)
+    first = engine.prepare(with_lora(core_text_to_image("a fox", seed=3, steps=2, size=64), sm=0.9, sc=1.3))
+    assert {_chosen(first, n).lora_mode for n in ("4", "11")} == {"merged"}  # (tiny layers: a merge is cheap)
+    assert not any(_chosen(first, n).lora.warm for n in ("4", "11"))
+    mark = engine.ledger.events.mark()
+    engine.run(first)
+    assert [m for m in _moves(engine, mark) if m[0] == "merge"] == [("merge", "text encoder"), ("merge", "transformer")]
+    g = with_lora(core_text_to_image("a cat", seed=3, steps=2, size=64), sm=0.9, sc=1.3)
+    prep = engine.prepare(g)
+    for node in ("4", "11"):
+        v = _chosen(prep, node)
+        assert v.lora_mode == "merged" and v.lora.warm and "already" in v.note
+        assert (v.seconds, v.activation) == (v.lora.base.seconds, v.lora.base.activation)  # nothing for the LoRA
+        cold = v.lora.cost
+        assert cold.merge_seconds > 0 and cold.merge_transient + cold.adapter_bytes > 0  # what a cold merge costs
+    mark = engine.ledger.events.mark()
+    warm = engine.run(prep)
+    assert _moves(engine, mark) == []  # no file read, no load, no merge, no restore
+    fresh = Engine(folders_for(lora_models, input_dir, tmp_path / "fresh"), device=device).run(g)
+    diff = np.abs(pixels(warm.images[0]).astype(int) - pixels(fresh.images[0]).astype(int))
+    assert diff.max() <= (0 if device == "cpu" else 1)  # the picture of a merge made from cold (GPU kernels may vary)
+
+    g2 = copy.deepcopy(g)
+    g2["20"]["inputs"]["strength_model"] = 0.5
+    prep = engine.prepare(g2)
+    assert "4" in prep.cached  # the text encoding does not depend on the model's strength
+    v = _chosen(prep, "11")
+    assert not v.lora.warm and v.seconds > v.lora.base.seconds
+    mark = engine.ledger.events.mark()
+    engine.run(prep)
+    assert _moves(engine, mark) == [("restore", "transformer"), ("merge", "transformer")]
+
+
+@ON_EACH_DEVICE
+def test_switching_loras_reads_no_file_and_never_writes_the_host_copy(device, lora_models, input_dir, tmp_path):
+    """LoRA sets one after another, merged into the weights, on a card that cannot hold the three models at once (so
+    every model gets a host copy, pinned on a GPU): no switch reads a model file again, and the host copy keeps the
+    checkpoint's weights throughout (a merge writes GPU weights, or new tensors on the CPU, and restores from it)."""
+    folders = folders_for(lora_models, input_dir, tmp_path)
+    g = core_text_to_image("a fox", seed=5, steps=1, size=64)
+    weights = sum(m.nbytes for m in Engine(folders, device=device).prepare(with_lora(g)).plan.models.values())
+    engine = Engine(folders, device=device, budget=planner.Budget(gpu=weights, host=8 * 2**30))
+    engine.run(with_lora(g))
+    mark = engine.ledger.events.mark()
+    for prompt in (chained(with_lora(g, sm=0.7), "sub/detail.safetensors", 0.5), g, with_lora(g, sm=-1.0, sc=0.4)):
+        engine.run(prompt)
+    events = engine.ledger.events.since(mark)
+    assert not [e for e in events if e.kind == "pin" or e.source == "file"]  # no model file read again
+    assert sum(e.kind == "merge" for e in events) >= 2
+    e = next(e for e in engine.ledger.entries.values() if e.info.kind == "transformer")
+    on_file = load_file(str(lora_models / "diffusion_models" / UNET))
+    assert e.copy is not None and e.copy.host.keys() >= on_file.keys()
+    assert all(torch.equal(e.copy.host[k], on_file[k].to(e.copy.host[k].dtype)) for k in on_file)
+    assert (e.copy.flat is not None) == (device == "cuda")  # one pinned buffer on a GPU
+    style = lora_format.parse(lora_models / "loras" / "style.safetensors", TINY_TRANSFORMER, None)
+    assert {t.param for t in style.component("transformer")} <= on_file.keys()  # the merged layers among them
 
 
 @pytest.mark.parametrize(("bad", "said"), [({"strength_model": math.nan}, "finite"),

@@ -53,6 +53,11 @@ ALLOWED: dict[tuple[str, str], str] = {
                                               "per thread and device on the first matrix product and keeps it until "
                                               "the process ends; its size can only be measured then (a second "
                                               "measurement sees 0), so the record lives as long as the workspace",
+    ("models/gguf_triton.py", "DISPATCH"): "a record of the process's Triton: whether it imports and whether a "
+                                           "kernel compiled for a device is a fact of this process (Triton's own "
+                                           "JIT cache holds the compiled kernels as long); kept so that a failed "
+                                           "kernel is not compiled again for every layer and each fallback is "
+                                           "logged once, not once per layer call",
     ("graph/workflow/queue.py", "_KEY_TEXT"): "a json.JSONEncoder configured once; encode() keeps nothing between "
                                               "calls",
 }
@@ -74,8 +79,8 @@ class Finding:
 def library_modules() -> Iterator[tuple[str, ast.Module]]:
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in NOT_LIBRARY or "__pycache__" in rel.parts:
-            continue
+        if rel.parts[0] in NOT_LIBRARY or "__pycache__" in rel.parts or rel.parts[0].startswith("."):
+            continue  # (hidden folders: a device carry such as .whl/, never part of the package)
         yield rel.as_posix(), ast.parse(path.read_text(), str(path))
 
 

@@ -187,3 +187,24 @@ def test_measured_step_peaks_stay_within_the_sampling_estimate() -> None:
                 assert r["peak_bytes"] <= est, (cell["size"], cell["dtype"], cell["cfg_passes"], name)
                 checked += 1
     assert checked == 28  # 4 cells x 6 bf16 variants + 4 cells x fp8_fast
+
+
+def test_every_attention_candidate_is_timed_with_a_callable() -> None:
+    """"sdpa" (SDPA's own choice) has no forced kernel but is timed all the same (on the GPU its None callable was
+    called: every sampler failed); a backend the device cannot run is named missing, not raised."""
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    calls: list[str] = []
+
+    def timer(fn) -> float:
+        out = fn()
+        calls.append("ran")
+        assert out.shape == q.shape
+        return 1.0
+
+    seconds, missing = step.time_candidates(("sdpa",), q, k, v, timer)
+    assert seconds == {"sdpa": 1.0} and missing == [] and calls == ["ran"]
+
+    def refusing(fn) -> float:
+        raise RuntimeError("No available kernel")
+
+    assert step.time_candidates(("sdpa", "flash"), q, k, v, refusing) == ({}, ["sdpa", "flash"])

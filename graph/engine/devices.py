@@ -3,8 +3,9 @@ graph/plan/placement.py and run with every device working at once.
 
 Each engine runs its lane of the placement as an ordinary run of the prompt with the lane's plan; an input made
 in another lane is taken from the `Exchange` (waiting until that lane has made it; outputs are host tensors,
-so nothing else is copied), and every node's outputs are put there. The first engine validates and estimates
-the prompt; all engines share the folders, the dtype and the cost model.
+so nothing else is copied), and every node's outputs and ui are put there, as output cache entries
+(graph/engine/cache.py). The first engine validates and estimates the prompt, and its output cache is the one
+the next prompt's cached nodes come from; all engines share the folders, the dtype and the cost model.
 
 One device, or a device that cannot be used (gone, out of memory before anything runs), falls back to the
 one-device run with a warning: never a crash for want of the second card.
@@ -22,8 +23,10 @@ from typing import Any
 from ...nodes.types import ModelInfo
 from ..plan import placement, planner
 from ..workflow import estimate
-from .executor import Engine, Events, RunResult, _quiet
+from .cache import CacheEntry, OutputCache
+from .executor import Engine
 from .planning import Prepared
+from .run import Events, RunResult, _quiet
 
 log = logging.getLogger(__name__)
 _LANE_EVENTS = {"execution_start", "execution_success", "execution_cached", "plan"}  # said once, for all lanes
@@ -34,19 +37,19 @@ class LaneFailed(RuntimeError):
 
 
 class Exchange:
-    """Node outputs passed between the lanes of one run."""
+    """Node outputs (with their ui) passed between the lanes of one run."""
 
-    def __init__(self, values: Mapping[str, tuple] | None = None) -> None:
-        self._values: dict[str, tuple] = dict(values or {})
+    def __init__(self, values: Mapping[str, CacheEntry] | None = None) -> None:
+        self._values: dict[str, CacheEntry] = dict(values or {})
         self._cond = threading.Condition()
         self._failed: BaseException | None = None
 
-    def put(self, node: str, outputs: tuple) -> None:
+    def put(self, node: str, entry: CacheEntry) -> None:
         with self._cond:
-            self._values[node] = outputs
+            self._values[node] = entry
             self._cond.notify_all()
 
-    def get(self, node: str) -> tuple:
+    def get(self, node: str) -> CacheEntry:
         with self._cond:
             while node not in self._values:
                 if self._failed is not None:
@@ -125,6 +128,10 @@ class Devices:
         return self.first.folders
 
     @property
+    def cache(self) -> OutputCache:  # the first engine's, which the next prompt's cached nodes come from
+        return self.first.cache
+
+    @property
     def device(self) -> Any:  # the first device's (what a one-device caller shows)
         return self.first.device
 
@@ -187,8 +194,7 @@ class Devices:
 
         prep, placed = self.place(prompt, repeat=repeat)
         pid = prompt_id or uuid.uuid4().hex
-        cached = {n: self.first._cache[prep.signatures[n]] for n in prep.cached}  # the first engine's cache
-        exchange = Exchange(cached)
+        exchange = Exchange({n: self.first.cache[prep.signatures[n]] for n in prep.cached})  # the first's cache
         infos = [o for c in prep.costs.values() for o in c.outputs if isinstance(o, ModelInfo)]
         lanes: dict[str, RunResult] = {}
         errors: dict[str, BaseException] = {}

@@ -8,6 +8,8 @@ prediction. A failing node (an allocation failure included) stops the run with a
 it; no later node runs, so no PNG is written from partial work. The nodes that finished before a failure
 or an interrupt stay cached, so the next run starts at the node that stopped. A node's signature holds
 what its `IS_CHANGED` says of the files it reads (graph/engine/planning.py), so a changed file runs it again.
+The cache is the engine's one `OutputCache` (graph/engine/cache.py): each node's outputs and ui by signature.
+What a run changes as it goes is its `RunState` (graph/engine/run.py), made by `Engine.run` for that run alone.
 
 A run can also lose some of its outputs while it goes on (`Cancel`, a targeted interrupt of one prompt
 of a merged queue): the nodes that only those outputs need are left out of the rest of the plan (the
@@ -46,25 +48,14 @@ from ..workflow.errors import InterruptedRun, NodeExecutionError, _type_name
 from ..workflow.validate import inputs_with_defaults
 from . import budget as budget_mod
 from .budget import DeviceMemory, Probe, budget_for, cuda_probe, live, short_plan_error, shortage
+from .cache import CacheEntry, OutputCache
 from .costs import cost_for
 from .ledger import Ledger
 from .planning import Prepared, prepare
+from .run import Cancel, Cuts, Events, NodeReport, RunResult, RunState, _Dropped, _quiet
 
 log = logging.getLogger("vramgraph.executor")
-Events = Callable[[str, dict], None]
 HIDDEN_VALUES = ("PROMPT", "EXTRA_PNGINFO", "UNIQUE_ID", "VG_CONTEXT")
-
-
-@dataclass
-class NodeReport:
-    node: str
-    class_type: str
-    variant: str
-    seconds: float
-    predicted_bytes: int = 0
-    measured_bytes: int = 0
-
-
 SEED_INPUTS = ("noise_seed", "seed")
 
 
@@ -102,33 +93,14 @@ def estimate_exceeded(report: NodeReport) -> dict | None:
             "ratio": round(report.measured_bytes / report.predicted_bytes, 4) if report.predicted_bytes else None}
 
 
-@dataclass
-class RunResult:
-    prompt_id: str
-    plan: planner.Plan
-    ui: dict[str, dict] = field(default_factory=dict)  # output node id -> ComfyUI "ui" dict
-    images: list[Path] = field(default_factory=list)
-    nodes: list[NodeReport] = field(default_factory=list)
-    cached: tuple[str, ...] = ()
-    loads: int = 0
-    unloads: int = 0
-    seconds: float = 0.0
-    replans: list[planner.Plan] = field(default_factory=list)  # the rest of the run planned again (live budget)
-
-    def to_json(self) -> dict:
-        return {"prompt_id": self.prompt_id, "seconds": round(self.seconds, 4), "loads": self.loads,
-                "unloads": self.unloads, "cached": list(self.cached), "images": [str(p) for p in self.images],
-                "nodes": [vars(n) for n in self.nodes], "plan": self.plan.to_json(), "replans": len(self.replans)}
-
-
 class NodeContext:
     """What a running node may ask of the engine (the `vg` hidden input): nodes/context.py `Context`, answered by
     the plan (where each model lives for this node's variant)."""
 
     def __init__(self, engine: Engine, node: str, class_type: str, variant: str, seed: int | None,
-                 events: Events, chosen: Variant | None = None, blocks: planner.BlockPlan | None = None) -> None:
+                 run: RunState, chosen: Variant | None = None, blocks: planner.BlockPlan | None = None) -> None:
         self.engine, self.node, self.class_type, self.variant = engine, node, class_type, variant
-        self.seed, self._events = seed, events
+        self.seed, self.run, self._events = seed, run, run.events  # `run`: the run this node is part of
         self.chosen = chosen  # the plan's Variant for this node: which models it put on the GPU, which it streams
         self.blocks = blocks  # for a variant that streams a model block by block: the blocks the plan keeps
 
@@ -156,6 +128,10 @@ class NodeContext:
         """The model's host copy by parameter name, once read (a LoRA merged into GPU weights is undone from it)."""
         e = self.engine.ledger.entries.get(handle.key)
         return e.copy.host if e is not None and e.copy is not None else None
+
+    def lora_applied(self, handle: ModelHandle, done: Any) -> None:
+        """A merge (or its undoing) on the model's weights, noted in the ledger (graph/engine/ledger.py `note_lora`)."""
+        self.engine.ledger.note_lora(handle.key, done)
 
     def kept_blocks(self, handle: ModelHandle) -> Kept:
         """Where a node that streams the model finds the resident part an earlier node left on the GPU, and leaves
@@ -194,7 +170,7 @@ class NodeContext:
         self._events("progress", {"node": self.node, "value": value, "max": total})
 
     def check_interrupted(self) -> None:
-        self.engine.check_interrupted(self.node, self.class_type)
+        self.engine.check_interrupted(self.node, self.class_type, self.run)
 
     @property
     def preview(self) -> Callable[[torch.Tensor, int, int], None] | None:
@@ -217,35 +193,6 @@ class NodeContext:
     @property
     def temp_dir(self) -> Path:
         return self.engine.folders.temp
-
-
-def _quiet(kind: str, data: dict) -> None:
-    pass
-
-
-class Cancel:
-    """Output nodes to leave out of a run, asked from any thread before or while it runs (see the module doc).
-
-    `Engine.run(..., cancel=c)` polls it before every step and at every progress report of a node; each time new
-    outputs are asked for, the run reports a "cancelled" event: {"outputs": those outputs, "node": the running
-    node stopped for them or None, "dropped": the nodes left out for them, in plan order}.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._outputs: set[str] = set()
-
-    def outputs(self, ids: Iterable[str]) -> None:
-        with self._lock:
-            self._outputs.update(ids)
-
-    def wanted(self) -> frozenset[str]:
-        with self._lock:
-            return frozenset(self._outputs)
-
-
-class _Dropped(InterruptedRun):
-    """The running node was left out of its run by a `Cancel` (caught by the run, never raised out of it)."""
 
 
 @dataclass
@@ -272,37 +219,9 @@ def _tried(message: str) -> int:
         if m else 0
 
 
-@dataclass
-class _Cuts:
-    """A run's cancellations so far: the outputs given up and the plan's nodes no longer to run."""
-
-    cancel: Cancel
-    prep: Prepared
-    values: dict
-    events: Events
-    step: int = 0
-    outputs: set[str] = field(default_factory=set)
-    dropped: set[str] = field(default_factory=set)
-
-    def apply(self, running: str | None) -> bool:
-        """Take in newly cancelled outputs; True when `running` is no longer needed."""
-        new = (self.cancel.wanted() & set(self.prep.outputs)) - self.outputs
-        if new:
-            self.outputs |= new
-            keep: set[str] = set()
-            for o in self.prep.outputs:
-                if o not in self.outputs:
-                    keep |= nx.ancestors(self.prep.dag, o) | {o}
-            later = [s.step.node for s in self.prep.plan.steps[self.step:] if isinstance(s.step, planner.Run)]
-            cut = [n for n in later if n not in keep and n not in self.dropped and n not in self.values]
-            self.dropped.update(cut)
-            self.events("cancelled", {"outputs": sorted(new), "node": running if running in cut else None,
-                                      "dropped": cut})
-        return running is not None and running in self.dropped
-
-
 class Engine:
-    """One process's engine: the model catalog, the residency ledger, the output cache and the budget."""
+    """One process's engine: the model catalog, the residency ledger, the output cache and the budget, which
+    outlive its runs; each run's own state is a RunState (graph/engine/run.py), never the engine's."""
 
     def __init__(self, folders: Folders, *, device: str | None = None, dtype: str | None = None,
                  budget: planner.Budget | None = None, nodes: Mapping[str, type] = ENGINE_NODES,
@@ -320,14 +239,10 @@ class Engine:
         self.probe = probe if probe is not None else cuda_probe(self.device) if self.device.type == "cuda" else None
         self.cost = cost or cost_for(self.device)  # a CUDA device is probed; elsewhere the H200's, named as assumed
         self.planning = planner.PlanContext()  # what this engine's plans share (the planner's caches)
-        self._cache: dict[str, tuple] = {}  # signature -> outputs of the last runs
-        self._interrupt = threading.Event()
+        self.cache = OutputCache()  # node outputs and ui by signature (graph/engine/cache.py); guarded by _lock
+        self._interrupt = threading.Event()  # /interrupt, from any thread: the running run stops at its next check
         self._lock = threading.Lock()
-        self._pid = ""
-        self._cuts: _Cuts | None = None  # the running run's cancellations (see Cancel)
-        self._retried: set[str] = set()  # this run's nodes and loads the rest was planned again for (live budget)
         self._peaks = (0, 0)  # torch allocator peaks (allocated, reserved) since `peaks(reset=True)`, across nodes
-        self._exchange: Any = None  # the running lane's exchange with the other devices' lanes (engine/devices.py)
 
     # -- services for nodes
     def tokenizer(self, path: Path | None) -> PromptTokenizer:
@@ -336,20 +251,30 @@ class Engine:
     def interrupt(self) -> None:
         self._interrupt.set()
 
-    def check_interrupted(self, node: str | None = None, class_type: str | None = None) -> None:
+    def check_interrupted(self, node: str | None = None, class_type: str | None = None,
+                          run: RunState | None = None) -> None:
+        """Raise InterruptedRun when the engine was interrupted, or (a run with a Cancel) when `node` is no longer
+        needed by `run`."""
         if self._interrupt.is_set():
             self._interrupt.clear()
             raise InterruptedRun(node, class_type)
-        if self._cuts is not None and self._cuts.apply(node):
+        if run is not None and run.cuts is not None and run.cuts.apply(run, node):
             raise _Dropped(node, class_type)
 
     def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
         """ComfyUI's /free: forget cached outputs and unload every model (weights and pinned copies)."""
         with self._lock:
             if free_memory or unload_models:
-                self._cache.clear()
+                self.cache.clear()
             if unload_models:
                 self.ledger.forget(set())
+            self._release()
+
+    def close(self) -> None:
+        """The engine's end: its output cache closed (it keeps nothing more) and every model unloaded."""
+        with self._lock:
+            self.cache.close()
+            self.ledger.forget(set())
             self._release()
 
     def warm_up(self) -> None:
@@ -419,8 +344,9 @@ class Engine:
     def _prepare(self, prompt: dict, repeat: bool, outputs: Iterable[str] | None, budget: planner.Budget) -> Prepared:
         resident = self.ledger.model_costs()
         return prepare(prompt, self.nodes, self.folders, self.catalog, budget, self.cost, repeat=repeat,
-                       outputs=outputs, cached=self._cache.keys(),
-                       start=self.ledger.residency(), resident=resident, context=self.planning)
+                       outputs=outputs, cached=self.cache.signatures(),
+                       start=self.ledger.residency(), resident=resident, context=self.planning,
+                       merged=self.ledger.merged())
 
     # -- running
     def _blas_workspace(self) -> None:
@@ -440,97 +366,100 @@ class Engine:
         `exchange` (graph/engine/devices.py): this engine runs one device's lane of a prompt placed on several; inputs
         made in other lanes come from it (waiting for them) and every node's outputs go to it."""
         with self._lock:
-            self._exchange = exchange
             self._interrupt.clear()
             self._blas_workspace()
             prep = prompt if isinstance(prompt, Prepared) else self.prepare(prompt)
-            pid = self._pid = prompt_id or uuid.uuid4().hex
-            result = RunResult(pid, prep.plan, cached=prep.cached)
+            pid = prompt_id or uuid.uuid4().hex
+            run = RunState(pid, prep, RunResult(pid, prep.plan, cached=prep.cached), events, extra_pnginfo,
+                           exchange=exchange)
             events("execution_start", {"prompt_id": pid})
             events("plan", {"prompt_id": pid, "plan": prep.plan.to_json()})
             events("execution_cached", {"prompt_id": pid, "nodes": list(prep.cached)})  # as ComfyUI: empty too
             t0 = time.perf_counter()
-            values = {n: self._cache[prep.signatures[n]] for n in prep.cached}
-            self._cuts = None if cancel is None else _Cuts(cancel, prep, values, events)
-            retried = self._retried = set()  # nodes and loads planned again for: each only once
+            for n in prep.cached:
+                self._take(run, n, self.cache[prep.signatures[n]])
+            run.cuts = None if cancel is None else Cuts(cancel)
             try:
                 i = 0
-                while i < len(prep.plan.steps):
+                while i < len(run.prep.plan.steps):
                     try:
-                        self._step(i, prep.plan.steps[i], prep, values, result, extra_pnginfo, events)
+                        self._step(run, i, run.prep.plan.steps[i])
                         i += 1
                     except _Short as short:  # other processes took memory: the rest of the run is planned again
-                        prep, i = self._recover(short, prep, values, retried, result, events), 0
+                        run.prep, i = self._recover(short, run), 0
             except BaseException:
-                self._keep(prep, values)  # interrupted or failed: the nodes that finished stay cached
+                self._keep(run)  # interrupted or failed: the nodes that finished stay cached
                 self._release()
                 raise
-            finally:
-                self._cuts = None
-                self._exchange = None
-            self._keep(prep, values)
-            self.ledger.forget(_models_in(self._cache.values()))
+            self._keep(run)
+            self.ledger.forget(_models_in(e.outputs for e in self.cache.entries()))
             self._release()
-            result.seconds = time.perf_counter() - t0
+            run.result.seconds = time.perf_counter() - t0
             events("executing", {"node": None, "prompt_id": pid})
             events("execution_success", {"prompt_id": pid})
-            return result
+            return run.result
 
-    def _recover(self, short: _Short, prep: Prepared, values: dict, retried: set[str], result: RunResult,
-                 events: Events) -> Prepared:
+    @staticmethod
+    def _take(run: RunState, node: str, entry: CacheEntry) -> None:
+        """`node`'s outputs and ui from a cache entry (or another lane's), as if it had run in `run`."""
+        run.values[node] = entry.outputs
+        if entry.ui is not None:
+            run.ui[node] = entry.ui
+
+    def _recover(self, short: _Short, run: RunState) -> Prepared:
         """The rest of the run planned again within what the device has free now (its caches freed first), after a
         load found too little free or an allocation failed that the plan had room for; a failed node or load is
         retried once. When nothing fits, or it fails again, the error says what other processes hold."""
-        again = bool(short.error) and short.key in retried
-        retried.add(short.key)
+        again = bool(short.error) and short.key in run.retried
+        run.retried.add(short.key)
         self._release()
         budget, mem = self.live_budget()
         mem = mem or DeviceMemory(0, 0)
         used = f"it used {short.used / 2**30:.2f} GiB of the {short.predicted / 2**30:.2f} GiB planned for it"
         if again:
-            raise self._short_failure(short, values, f"{short.error}; it ran out of GPU memory again after the rest of "
+            raise self._short_failure(short, run, f"{short.error}; it ran out of GPU memory again after the rest of "
                                       f"the prompt was planned again ({used}): {shortage(self.budget, mem)}; free GPU "
                                       "memory in the other processes, then queue again")
         try:
-            new = self._replan(prep, values, budget)
+            new = self._replan(run, budget)
         except planner.PlanError as e:
             if not short.error:
                 raise short_plan_error(e, self.budget, mem) from None
-            raise self._short_failure(short, values, f"{short.error}; other processes took GPU memory while it ran "
+            raise self._short_failure(short, run, f"{short.error}; other processes took GPU memory while it ran "
                                       f"({used}): {shortage(self.budget, mem)}, and no plan of the rest of the prompt "
                                       f"fits: {e.message}") from None
         why = "ran out of GPU memory" if short.error else "is next and the device has less free than planned"
         log.warning("node %s (%s) %s: the rest of the run is planned again within %.2f GiB (%s)", short.node,
                     short.class_type, why, budget.gpu / 2**30, shortage(self.budget, mem))
-        result.replans.append(new.plan)
-        events("vg_replan", {"prompt_id": self._pid, "node": short.node, "reason": "out_of_memory" if short.error
-                             else "load", "budget_bytes": budget.gpu, "others_bytes": mem.others,
-                             "free_bytes": mem.free, "plan": new.plan.to_json()})
+        run.result.replans.append(new.plan)
+        run.events("vg_replan", {"prompt_id": run.prompt_id, "node": short.node, "reason": "out_of_memory"
+                                 if short.error else "load", "budget_bytes": budget.gpu, "others_bytes": mem.others,
+                                 "free_bytes": mem.free, "plan": new.plan.to_json()})
         return new
 
-    def _replan(self, prep: Prepared, values: Mapping, budget: planner.Budget) -> Prepared:
-        """`prep` with a plan of its nodes not yet run (nor left out by a Cancel), from where the weights are now."""
-        done = {n for n in values if isinstance(n, str)} | (self._cuts.dropped if self._cuts is not None else set())
+    def _replan(self, run: RunState, budget: planner.Budget) -> Prepared:
+        """`run.prep` planned again for its nodes not yet run (nor left out by a Cancel), from where weights are now."""
+        prep, done = run.prep, set(run.values) | run.dropped()
         todo = prep.dag.subgraph(n for n in prep.dag.nodes if n not in done).copy()
         costs, models = estimate.planner_inputs(prep.prompt, prep.costs)
         for key, m in self.ledger.model_costs().items():
             models.setdefault(key, m)
         plan = planner.plan(todo, {n: costs[n] for n in todo.nodes}, models, budget, self.cost,
                             self.ledger.residency(), context=self.planning)
-        new = dataclasses.replace(prep, plan=plan)
-        if self._cuts is not None:
-            self._cuts.prep, self._cuts.step = new, 0
-        return new
+        if run.cuts is not None:
+            run.cuts.step = 0
+        return dataclasses.replace(prep, plan=plan)
 
-    def _short_failure(self, short: _Short, values: Mapping, message: str) -> NodeExecutionError:
-        executed = [n for n in values if isinstance(n, str)]
+    def _short_failure(self, short: _Short, run: RunState, message: str) -> NodeExecutionError:
         return NodeExecutionError(short.node, short.class_type, message, short.exception_type, short.traceback,
-                                  short.inputs, self._pid, executed)
+                                  short.inputs, run.prompt_id, run.done())
 
-    def _keep(self, prep: Prepared, values: Mapping) -> None:
-        """The output cache after a run: every node of this prompt that has its outputs (cached or finished),
-        under its signature; outputs of earlier prompts that this one does not share are dropped."""
-        self._cache = {prep.signatures[n]: values[n] for n in prep.dag.nodes if n in values}
+    def _keep(self, run: RunState) -> None:
+        """The output cache after a run: every node of this prompt that has its outputs (cached or finished), its
+        outputs and ui under its signature, in the order the run had them; outputs of earlier prompts that this one
+        does not share are dropped (graph/engine/cache.py: within the cache's bounds)."""
+        sigs = run.prep.signatures
+        self.cache.keep({sigs[n]: CacheEntry(out, run.ui.get(n)) for n, out in run.values.items() if n in sigs})
 
     def prepare_queue(self, prompts: list[dict], extra_pnginfo: list[dict | None] | None = None,
                       outputs: list[list[str] | None] | None = None) -> tuple[Prepared, queue.Merged]:
@@ -573,30 +502,29 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _step(self, i: int, ps: planner.PlannedStep, prep: Prepared, values: dict, result: RunResult,
-              extra_pnginfo: dict | None, events: Events) -> None:
-        step = ps.step
+    def _step(self, run: RunState, i: int, ps: planner.PlannedStep) -> None:
+        prep, result, events, step = run.prep, run.result, run.events, ps.step
         if isinstance(step, planner.Load):
             short = None
-            run = next((s.step.node for s in prep.plan.steps[i:] if isinstance(s.step, planner.Run)), "")
-            cls = prep.prompt.get(run, {}).get("class_type", "")
+            user = next((s.step.node for s in prep.plan.steps[i:] if isinstance(s.step, planner.Run)), "")
+            cls = prep.prompt.get(user, {}).get("class_type", "")
             key = f"load {step.model}"
-            if self.probe is not None and f"check {key}" not in self._retried \
+            if self.probe is not None and f"check {key}" not in run.retried \
                     and self.live_budget()[0].gpu < max(s.gpu_bytes for s in prep.plan.steps[i:]):
-                raise _Short(run, cls, f"check {key}")  # the rest no longer fits: planned again first (once a load)
+                raise _Short(user, cls, f"check {key}")  # the rest no longer fits: planned again first (once a load)
             try:
                 self.ledger.load(step.model, step.source, pin=step.pin)
             except torch.OutOfMemoryError as e:  # taken by another process since the check: planned again
-                short = _Short(run, cls, key, f"loading {self.ledger.entries[step.model].info.label} "
+                short = _Short(user, cls, key, f"loading {self.ledger.entries[step.model].info.label} "
                                f"failed: {e}", _type_name(type(e)), traceback.format_exception(e), {},
                                self.ledger.entries[step.model].info.nbytes, 0)
             except Exception as e:  # a damaged file, no host memory left: the loader node that named it failed
-                node = next((n for n, out in values.items() if isinstance(n, str)
-                             and any(isinstance(v, ModelHandle) and v.key == step.model for v in out)), None)
+                node = next((n for n, out in run.values.items()
+                             if any(isinstance(v, ModelHandle) and v.key == step.model for v in out)), None)
                 if node is None:
                     raise
                 raise self._failure(node, prep.prompt[node]["class_type"], f"loading its model failed: {e}", e,
-                                    prep.prompt[node]["inputs"], values) from e
+                                    prep.prompt[node]["inputs"], run) from e
             if short is not None:
                 raise short
             result.loads += 1
@@ -611,63 +539,64 @@ class Engine:
             self._release()
             events("vg_step", {"step": i, "kind": "unload", "model": step.model, "to": step.to})
         else:
-            cuts = self._cuts
+            cuts = run.cuts
             if cuts is not None:
                 cuts.step = i
-                cuts.apply(None)
+                cuts.apply(run, None)
                 if step.node in cuts.dropped:  # only cancelled outputs needed it
                     return
             try:
-                self.check_interrupted(step.node, prep.prompt[step.node]["class_type"])
-                report = self._run_node(step.node, step.variant, ps, prep, values, extra_pnginfo, events)
+                self.check_interrupted(step.node, prep.prompt[step.node]["class_type"], run)
+                report = self._run_node(run, step.node, step.variant, ps)
             except _Dropped:  # stopped while it ran: nothing it made is kept
                 self._release()
                 return
-            if self._exchange is not None:
-                self._exchange.put(step.node, values[step.node])
+            if run.exchange is not None:
+                run.exchange.put(step.node, CacheEntry(run.values[step.node], run.ui.get(step.node)))
             result.nodes.append(report)
-            ui = values.get(("ui", step.node))
+            ui = run.ui.get(step.node)
             if ui is not None:
                 result.ui[step.node] = ui
                 result.images += self._image_paths(ui)
 
-    def _inputs(self, node: str, prep: Prepared, values: Mapping[str, tuple]) -> dict[str, Any]:
-        cls = self.nodes[prep.prompt[node]["class_type"]]
+    def _inputs(self, run: RunState, node: str) -> dict[str, Any]:
+        prompt = run.prep.prompt
+        cls = self.nodes[prompt[node]["class_type"]]
         out = {}
-        for name, v in prep.prompt[node]["inputs"].items():
-            out[name] = self._value(v[0], values)[v[1]] if is_link(v) else v
+        for name, v in prompt[node]["inputs"].items():
+            out[name] = self._value(run, v[0])[v[1]] if is_link(v) else v
         return inputs_with_defaults(cls, out, self.folders)
 
-    def _value(self, node: str, values: dict) -> tuple:
+    def _value(self, run: RunState, node: str) -> tuple:
         """A node's outputs: this run's, else (a lane of a placed prompt) the other lane's, once it has them."""
-        if node not in values and self._exchange is not None:
-            values[node] = self._exchange.get(node)
-        return values[node]
+        if node not in run.values and run.exchange is not None:
+            self._take(run, node, run.exchange.get(node))
+        return run.values[node]
 
-    def _seed(self, node: str, prep: Prepared, values: Mapping) -> int | None:
-        found = seed_source(prep.dag, prep.prompt, node)
+    def _seed(self, run: RunState, node: str) -> int | None:
+        prompt = run.prep.prompt
+        found = seed_source(run.prep.dag, prompt, node)
         if found is None:
             return None
-        v = prep.prompt[found[0]]["inputs"][found[1]]
-        return self._value(v[0], values)[v[1]] if is_link(v) else v
+        v = prompt[found[0]]["inputs"][found[1]]
+        return self._value(run, v[0])[v[1]] if is_link(v) else v
 
     def _failure(self, node: str, class_type: str, message: str, e: Exception, inputs: Mapping[str, Any],
-                 values: Mapping) -> NodeExecutionError:
+                 run: RunState) -> NodeExecutionError:
         """ComfyUI's execution_error for `node`: its plain inputs shown as lists, the nodes done before it."""
         shown = {k: [v] for k, v in inputs.items() if isinstance(v, int | float | str | bool)}
-        executed = [n for n in values if isinstance(n, str)]  # nodes done (cached or run), as ComfyUI lists them
         return NodeExecutionError(node, class_type, message, _type_name(type(e)), traceback.format_exception(e),
-                                  shown, self._pid, executed)
+                                  shown, run.prompt_id, run.done())
 
-    def _run_node(self, node: str, variant: str, ps: planner.PlannedStep, prep: Prepared, values: dict,
-                  extra_pnginfo: dict | None, events: Events) -> NodeReport:
+    def _run_node(self, run: RunState, node: str, variant: str, ps: planner.PlannedStep) -> NodeReport:
+        prep, events = run.prep, run.events
         class_type = prep.prompt[node]["class_type"]
         cls = self.nodes[class_type]
-        events("executing", {"node": node, "display_node": node, "prompt_id": self._pid})
-        inputs = self._inputs(node, prep, values)
+        events("executing", {"node": node, "display_node": node, "prompt_id": run.prompt_id})
+        inputs = self._inputs(run, node)
         chosen = next((o for o in prep.costs[node].variants if o.name == variant), None)
-        ctx = NodeContext(self, node, class_type, variant, self._seed(node, prep, values), events, chosen, ps.blocks)
-        own_prompt, own_extra = prep.hidden.get(node, (prep.prompt, extra_pnginfo))
+        ctx = NodeContext(self, node, class_type, variant, self._seed(run, node), run, chosen, ps.blocks)
+        own_prompt, own_extra = prep.hidden.get(node, (prep.prompt, run.extra_pnginfo))
         hidden = {"PROMPT": own_prompt, "EXTRA_PNGINFO": own_extra, "UNIQUE_ID": node, "VG_CONTEXT": ctx}
         for name, kind in cls.INPUT_TYPES(folders=self.folders).get("hidden", {}).items():
             if kind in hidden:
@@ -699,7 +628,7 @@ class Engine:
                         f"{self.budget.gpu / 2**30:.2f} GiB budget, so its estimate is wrong: please report it, "
                         "and meanwhile lower the size or pass a smaller --vram")
             if short is None:
-                raise self._failure(node, class_type, f"{e}{hint}", e, inputs, values) from e
+                raise self._failure(node, class_type, f"{e}{hint}", e, inputs, run) from e
         if short is not None:  # raised here, the failure's frames (and their tensors) are gone
             raise short
         if cuda:
@@ -707,16 +636,17 @@ class Engine:
         seconds = time.perf_counter() - t0
         measured = torch.cuda.max_memory_allocated() - base if cuda else 0
         if isinstance(out, dict):
-            values[("ui", node)] = out.get("ui")
+            if out.get("ui") is not None:
+                run.ui[node] = out["ui"]
             out = tuple(out.get("result", ()))
-        values[node] = tuple(out)
+        run.values[node] = tuple(out)
         report = NodeReport(node, class_type, variant, seconds, predicted, measured)
         over = estimate_exceeded(report)
         if over is not None:  # the plan was optimistic here: say so (before "executed" ends the node for listeners)
             log.warning("node %s (%s, %s) peaked at %.3f GiB on the GPU, above its estimate of %.3f GiB; please "
                         "report it", node, class_type, variant, measured / 2**30, predicted / 2**30)
-            events("vg_estimate_exceeded", {**over, "prompt_id": self._pid})
-        events("executed", {"node": node, "output": values.get(("ui", node)), "seconds": seconds,
+            events("vg_estimate_exceeded", {**over, "prompt_id": run.prompt_id})
+        events("executed", {"node": node, "output": run.ui.get(node), "seconds": seconds,
                             "predicted_bytes": predicted, "measured_bytes": measured})
         return report
 

@@ -16,6 +16,9 @@ Owned by the executor and changed only by the plan's Load/Unload steps; it decid
   resident blocks, one device buffer: models/streaming.py `Kept`) here after it ends; it is on the GPU under the
   part's own key (graph/plan/residency.py `part_key`) until the next node streaming the model takes it over, or an
   `Unload` of that key frees it.
+- LoRAs merged into a GPU-resident model's weights (models/lora.py) stay there until another set is merged, the model
+  is unloaded or loaded again (its weights are then the host copy's, which a merge never writes). `merged` tells the
+  next plan what is merged now; nodes note each merge and restore (`note_lora`) as "merge" and "restore" events.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class Event:
-    kind: str  # "load", "unload", "pin"
+    kind: str  # "load", "unload", "pin", "merge", "restore"
     model: str
     source: str
     seconds: float
@@ -158,6 +161,30 @@ class Ledger:
         kept = tuple(ModelCost(e.part, e.kept.nbytes, residency.part_label(e.info.label, e.kept.blocks))
                      for e in self.entries.values() if e.part is not None)
         return Residency(self.on_gpu, self.pinned, kept)
+
+    def merged(self) -> dict[str, tuple]:
+        """Per GPU-resident model whose weights hold merged LoRAs, their signatures (models/lora.py
+        `merged_signature`): what the next plan may count as done."""
+        out = {}
+        for key, e in self.entries.items():
+            module = e.module if e.on_device else None
+            signature = lora.merged_signature(module) if module is not None else None
+            if signature is not None:
+                out[key] = signature
+        return out
+
+    def note_lora(self, key: str, done: lora.Applied) -> None:
+        """A node applied LoRAs to model `key`: the bytes it merged and restored (nothing when the same set was
+        merged already), as "merge" and "restore" events."""
+        if not (done.merged or done.restored):
+            return
+        label = self.entries[key].info.label if key in self.entries else key
+        if done.restored:
+            self.events.note(Event("restore", key, "host", 0.0 if done.merged else done.seconds, done.restored))
+        if done.merged:
+            self.events.note(Event("merge", key, "lora", done.seconds, done.merged))
+        log.info("%s: LoRAs merged into %.2f GiB, %.2f GiB restored, in %.3f s", label, done.merged / 2**30,
+                 done.restored / 2**30, done.seconds)
 
     def kept(self, key: str) -> Kept:
         """Where a node streaming model `key` finds and leaves its resident part."""

@@ -103,13 +103,15 @@ def _model_names(prompt: Any) -> frozenset[str]:
 def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: ModelCatalog, budget: planner.Budget,
             cost: planner.CostModel, *, repeat: bool = True, cached: Collection[str] = (),
             start: planner.Residency | None = None, resident: Mapping[str, planner.ModelCost] | None = None,
-            outputs: Iterable[str] | None = None, context: planner.PlanContext | None = None) -> Prepared:
+            outputs: Iterable[str] | None = None, context: planner.PlanContext | None = None,
+            merged: Mapping[str, tuple] | None = None) -> Prepared:
     """Validate, estimate and plan `prompt` (API format). Raises ValidationFailed or planner.PlanError.
 
     `cached`: signatures whose outputs the caller holds (those nodes are not planned); `start`: where weights
     are now; `resident`: models held from earlier prompts (the planner may have to evict them); `outputs`: the
     output nodes to run (ComfyUI's partial_execution_targets), None for all; `context`: the caller's planner context
-    (graph/plan/planner.py `PlanContext`: its caches)."""
+    (graph/plan/planner.py `PlanContext`: its caches); `merged`: per GPU-resident model the LoRAs merged into its
+    weights now (graph/engine/ledger.py `merged`), counted as done for the nodes applying the same ones."""
     shown = folders
     if catalog.allow_builtin:  # planning without weights: a named model file is taken as present
         shown = _AssumedFiles(**{f.name: getattr(folders, f.name) for f in dataclasses.fields(Folders)},
@@ -118,23 +120,48 @@ def prepare(prompt: dict, nodes: Mapping[str, type], folders: Folders, catalog: 
     if not check.ok:
         raise ValidationFailed(check.response())
     prompt = {n: check.prompt[n] for n in check.dag.nodes}
-    costs = share_merges(estimate.propagate(prompt, check.dag, nodes, catalog, Defaults(folders)))
+    estimated = estimate.propagate(prompt, check.dag, nodes, catalog, Defaults(folders))
+    merged = dict(merged or {})
+    costs = share_merges(estimated, merged)
     signed = {n: tuple(_identity(o) for o in costs[n].outputs) for n in check.dag.nodes
               if getattr(nodes[prompt[n]["class_type"]], "VG_SIGNS_OUTPUTS", False)}
     sigs = signatures(prompt, check.dag, changes(prompt, check.dag, nodes, folders, costs), signed)
     held = set(cached)
     done = tuple(n for n in check.dag.nodes if sigs[n] in held)
-    node_costs, models = estimate.planner_inputs(prompt, costs)
-    for key, m in (resident or {}).items():
-        models.setdefault(key, m)
     # the planner only reads the graph: a copy is made only of the part that is not cached
     todo = check.dag.subgraph(n for n in check.dag.nodes if n not in done).copy() if done else check.dag
-    try:
-        plan = planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, budget, cost,
-                            start or planner.Residency(), repeat=repeat, context=context)
-    except planner.PlanError as e:  # a node larger than the budget: say which card it needs (the --vram to type)
-        raise with_card(e, budget) from None
-    return Prepared(prompt, check.dag, check.outputs, costs, sigs, done, plan)
+    while True:
+        node_costs, models = estimate.planner_inputs(prompt, costs)
+        for key, m in (resident or {}).items():
+            models.setdefault(key, m)
+        try:
+            plan = planner.plan(todo, {n: node_costs[n] for n in todo.nodes}, models, budget, cost,
+                                start or planner.Residency(), repeat=repeat, context=context)
+        except planner.PlanError as e:  # a node larger than the budget: say which card it needs (the --vram to type)
+            raise with_card(e, budget) from None
+        lost = merges_lost(plan, costs)
+        if not lost:
+            return Prepared(prompt, check.dag, check.outputs, costs, sigs, done, plan)
+        for key in lost:  # planned again without counting on those merges (at most once per model)
+            del merged[key]
+        costs = share_merges(estimated, merged)
+
+
+def merges_lost(plan: planner.Plan, costs: Mapping[str, Any]) -> set[str]:
+    """The models whose merged LoRAs a node's variant counts as done (nodes/lora.py `share_merges`) while the plan
+    loads or unloads the model before that node: the move gives it its base weights again, so the merge is not there."""
+    moved: set[str] = set()
+    lost = set()
+    for s in plan.steps:
+        step = s.step
+        if isinstance(step, planner.Run):
+            v = next((v for v in costs[step.node].variants if v.name == step.variant), None)
+            choice = getattr(v, "lora", None)
+            if choice is not None and choice.warm and choice.chain[0] in moved:
+                lost.add(choice.chain[0])
+        else:
+            moved.add(step.model)
+    return lost
 
 
 @dataclass

@@ -13,12 +13,20 @@ SMALL_NODES nodes that use the GPU and SMALL_MODELS models), an exact dynamic pr
 the order, from the GPU as it is now, chooses for every node its variant, the models that leave the GPU before it,
 and for a node that streams a model block by block which resident part it keeps (one of the model's `parts`):
 
+- a streamed model's parts (`ladder`, `fill`): 1/PARTS, 2/PARTS, ... of its blocks (spread evenly or the first
+  ones); near whole, where the 1/PARTS steps are coarse, all its blocks but 1, 2, 4, ... (the smallest stream: a
+  block kept there spares its copy in every pass, 25 to 100 an image); beside each of another model's near-whole
+  parts, the most of its blocks that stay with that part through the whole run (the two share the card); and
+  pass 3's own choice beside each set of the other models held whole;
 - a state between two nodes: per model, absent, whole, or one of its parts kept after a streamed node;
 - a node goes from one state to the next by dropping models it does not use (free: they have pinned copies), loading
   the models its variant holds whole (their bytes at pinned speed) and running (its seconds); a streamed node uploads
   its resident part unless that same part is on the GPU, and streams the other blocks every pass
   (graph/plan/residency.py `seconds`); at its peak everything must fit in the budget;
-- a path costs its seconds plus a price per byte copied host->GPU: BYTE_PRICES, one path per price.
+- a path costs its seconds plus a price per byte copied host->GPU, one path per price: first the BYTE_PRICES
+  (seconds alone, and bytes dear), then the price at which the chosen plan so far and the plan with the most bytes
+  among those with fewer that are too slow cost the same (`tie`): a path between the two in bytes and seconds is
+  the cheapest at that price, if the programme has one; again, up to TIES times, until no new path comes.
 
 Each path, and pass 3's own plan run HORIZON times, is carried out run after run by `GpuState.apply` (so all are
 priced alike, pinned copies and file reads included). Of these, among the plans within WITHIN (1 %) of the fastest
@@ -31,6 +39,7 @@ Pure: it sees sizes and predicted seconds, never tensors.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -48,9 +57,10 @@ HORIZON = 8  # runs the programme looks at: this one and the seven after it
 SMALL_NODES = 5  # at most this many nodes that use the GPU in one run (one image, not a queue)...
 SMALL_MODELS = 4  # ... and this many models (resident at the start or used): the states stay few
 PARTS = 6  # a streamed model's parts: 1/PARTS, 2/PARTS, ... of its blocks resident (spread or the first ones)
-BYTE_PRICES = (0.0, 0.01, 0.03, 0.3)  # seconds charged per second of pinned copy (bytes / h2d_pinned)
+BYTE_PRICES = (0.0, 0.3)  # seconds charged per second of pinned copy (bytes / h2d_pinned): first these two...
+TIES = 4  # ... then at most this many more, each where two paths tie (`tie`)
 WITHIN = 0.01  # plans within 1 % of the fastest total count as fast: the fewest bytes wins
-BISECT = 3  # more prices tried between the dearest fast enough and the next
+NEAR = (1, 2, 4, 8, 16)  # near whole, finer than 1/PARTS: all of a model's blocks but these many (the bytes halve)
 
 ABSENT, WHOLE = 0, 1  # a model's level in a state; 2 + i: its i-th part
 
@@ -90,9 +100,12 @@ class Session:
         self.parts: dict[int, list[tuple[int, ...]]] = {j: [] for j in self.specs}
         self.part_bytes: dict[tuple[int, tuple[int, ...]], int] = {}
         self.start = self.state_of(start)  # (adds the start's kept parts to `parts`)
+        self.options = [self.options_of(nc) for nc in nodes]
+        self.near: dict[int, list[tuple[int, ...]]] = {}
         for j in self.specs:
             self.ladder(j)
-        self.options = [self.options_of(nc) for nc in nodes]
+        for j in self.specs:
+            self.fill(j)
         self.plans: dict[int, list[tuple[int, BlockPlan]]] = {}  # per spec (by identity): a plan per part
         self.moves: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], float, int, Move]]] = {}
 
@@ -151,7 +164,8 @@ class Session:
 
     def ladder(self, j: int) -> None:
         """Model j's parts: 1/PARTS, 2/PARTS, ... of its blocks resident, spread evenly over the model or its first
-        blocks (whose compute hides the copies of the others in the first pass), and the set
+        blocks (whose compute hides the copies of the others in the first pass), all of them but 1, 2, 4, ... where
+        that is finer than 1/PARTS (`near`: the smallest streamed), and the set
         that graph/plan/residency.py `choose` finds fastest in the room left beside each set of the other models held
         whole (pass 3's own choice). (`choose` alone does not do: where the streaming hides behind the compute it
         keeps the fewest blocks, whose upload is the only time it adds, but a part kept for the next run is uploaded
@@ -163,6 +177,9 @@ class Session:
             if count:
                 self.part_level(j, tuple(sorted(residency.spread(list(range(n)), count))))
                 self.part_level(j, tuple(range(count)))
+        self.near[j] = [keep_all_but(spec, streamed) for streamed in NEAR if streamed * PARTS < n]
+        for part in self.near[j]:
+            self.part_level(j, part)
         others = [self.sizes.w(m) for i, m in enumerate(self.models) if i != j]
         bw = self.bw * residency.STREAM_COPY_EFFICIENCY
         for mask in itertools.product((0, 1), repeat=len(others)):
@@ -170,6 +187,44 @@ class Session:
             bp = self.sizes.blocks.choose(spec, room, bw) if room >= spec.min_gpu() else None
             if bp is not None and bp.resident_bytes:
                 self.part_level(j, bp.resident)
+
+    def fill(self, j: int) -> None:
+        """Beside each near-whole part of another streamed model (`near`), the most of model j's blocks (all but the
+        fewest, `keep_all_but`) that stay on the GPU with it through the whole run (`stays`): the two parts that
+        share the card, which neither ladder pairs by itself."""
+        n = len(self.specs[j].sizes)
+        for i in self.specs:
+            for part in self.near[i] if i != j else []:
+                for streamed in range(n):
+                    mine = keep_all_but(self.specs[j], streamed)
+                    if self.stays({i: part, j: mine}):
+                        self.part_level(j, mine)
+                        break
+
+    def stays(self, parts: dict[int, tuple[int, ...]]) -> bool:
+        """Whether these parts (per model, its blocks kept) fit beside every node of the run, each node in one of its
+        variants on the GPU (one moved to the CPU is no way to keep them): the models it holds whole, and its peak (a
+        streamed node: with its own part, if it is one of them, kept)."""
+        for options in self.options:
+            on_gpu = [o for o in options if o.need or o.block >= 0 or o.streams] or options
+            if not any(self.fits_beside(o, parts) for o in on_gpu):
+                return False
+        return True
+
+    def fits_beside(self, o: Option, parts: dict[int, tuple[int, ...]]) -> bool:
+        if any(j in o.need or j in o.streams for j in parts):
+            return False
+        used = sum(self.sizes.w(self.models[j]) for j in o.need)
+        for j, kept in parts.items():
+            if j != o.block:
+                used += self.specs[j].fixed + sum(self.specs[j].sizes[b] for b in kept)
+        spec = o.variant.blocks
+        if spec is None:
+            return used + o.variant.activation <= self.gpu
+        own = parts.get(o.block)
+        if own is None:
+            return used + spec.min_gpu() <= self.gpu
+        return used + spec.gpu_bytes(tuple(b for b in range(len(spec.sizes)) if b not in own)) <= self.gpu
 
     def options_of(self, nc: NodeCost) -> list[Option]:
         out = []
@@ -223,10 +278,11 @@ class Session:
             copied0 = sum(self.sizes.w(self.models[j]) for j in (*loads, *o.streams))
             need_b = sum(self.sizes.w(self.models[j]) for j in o.need)
             plans = self.block_plans(o, s[o.block]) if o.block >= 0 else [(-1, None)]
+            sets = [(kept, sum(self.held(j, s[j]) for j in kept)) for kept in subsets(free)]
             for level, bp in plans:
                 peak = bp.gpu_bytes if bp is not None else v.activation
                 room = self.gpu - need_b - peak
-                fits = [kept for kept in subsets(free) if sum(self.held(j, s[j]) for j in kept) <= room]
+                fits = [kept for kept, held in sets if held <= room]
                 for kept in fits:
                     if any(len(other) > len(kept) and set(kept) < set(other) for other in fits):
                         continue  # (a larger set fits: keeping it costs nothing more)
@@ -265,27 +321,40 @@ class Session:
         as each run's moves."""
         per_byte = price / self.bw
         n = len(self.nodes)
-        layers: list[dict[tuple[int, ...], tuple[float, tuple[int, ...], Move | None]]] = [
-            {self.start: (0.0, self.start, None)}]
+        cost = {self.start: 0.0}
+        back: list[dict[tuple[int, ...], tuple[tuple[int, ...], Move]]] = []  # per node run: how each state came
         for step in range(runs * n):
-            nxt: dict[tuple[int, ...], tuple[float, tuple[int, ...], Move | None]] = {}
-            for s, (c, _, _) in layers[-1].items():
+            nxt: dict[tuple[int, ...], float] = {}
+            how: dict[tuple[int, ...], tuple[tuple[int, ...], Move]] = {}
+            for s, c in cost.items():
                 for after, secs, copied, move in self.ways(step % n, s):
                     total = c + secs + copied * per_byte
-                    got = nxt.get(after)
-                    if got is None or total < got[0]:
-                        nxt[after] = (total, s, move)
+                    if total < nxt.get(after, math.inf):
+                        nxt[after] = total
+                        how[after] = (s, move)
             if not nxt:
                 return []
-            layers.append(nxt)
-        s = min(layers[-1], key=lambda k: layers[-1][k][0])
+            cost = nxt
+            back.append(how)
+        s = min(cost, key=cost.__getitem__)
         moves: list[Move] = []
-        for layer in reversed(layers[1:]):
-            _, s, last = layer[s]
-            assert last is not None
+        for how in reversed(back):
+            s, last = how[s]
             moves.append(last)
         moves.reverse()
         return [moves[r * n:(r + 1) * n] for r in range(runs)]
+
+
+def keep_all_but(spec: Blocks, streamed: int) -> tuple[int, ...]:
+    """The blocks kept where all but `streamed` of them are: those streamed are the smallest (the fewest bytes a
+    pass), spread evenly among the blocks of one size."""
+    out: list[int] = []
+    for size in sorted(set(spec.sizes)):
+        group = [i for i, b in enumerate(spec.sizes) if b == size]
+        take = min(streamed - len(out), len(group))
+        out += residency.spread(group, take) if take else []
+    gone = set(out)
+    return tuple(i for i in range(len(spec.sizes)) if i not in gone)
 
 
 def subsets(items: list[int]) -> list[tuple[int, ...]]:
@@ -377,10 +446,10 @@ def best(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[i
 def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[int], names: list[str],
            nodes: list[NodeCost], sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
            pins_for: Callable[[set[str]], frozenset[str]], prov: list[Variant]) -> Chosen:
-    """The module's rule: pass 3's plan and the programme's path at each of BYTE_PRICES, then BISECT more prices
-    between the dearest whose path is within WITHIN of the fastest and the next, which is not (a path that copies
-    fewer bytes and is still fast enough lies there, if the programme has one); of those within WITHIN of the
-    fastest, the fewest bytes."""
+    """The module's rule: pass 3's plan and the programme's paths, first at each of BYTE_PRICES, then at up to TIES
+    more prices, each the one at which the fewest-bytes path within WITHIN of the fastest and the path after it in
+    bytes, which is not within, cost the same (a path between the two, if the programme has one, is the cheapest
+    there); of those within WITHIN of the fastest, the fewest bytes."""
     runs = [first]
     while len(runs) < HORIZON:
         runs.append(greedy(runs[-1].end))
@@ -388,11 +457,14 @@ def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list
         return Chosen(None, frozenset())   # once: its plan stands (streaming them instead is not for a first run)
     candidates = [(total(runs), Chosen(None, frozenset()))]
     session = Session(nodes, sizes, budget, cm, start)
+    tried: set[float] = set()
 
-    def priced(price: float) -> tuple[float, int] | None:
+    def priced(price: float) -> bool:
+        """Whether the path at `price` is new (not the same seconds and bytes as a candidate already there)."""
+        tried.add(price)
         path = session.paths(HORIZON, price)
         if not path:
-            return None
+            return False
         moved = {session.models[j] for run in path for mv in run for j in mv.drop}
         moved |= {mv.blocks.model for run in path for mv in run if mv.blocks is not None}
         pins = pins_for(moved)
@@ -400,22 +472,34 @@ def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list
         for run in path:
             done.append(follow(run, order, names, nodes, sizes, budget, cm, at, pins, session.models, prov))
             at = done[-1].end
-        candidates.append((total(done), Chosen(tuple(path[0]), frozenset(moved))))
-        return candidates[-1][0]
+        got = total(done)
+        if any(t == got for t, _ in candidates):
+            return False
+        candidates.append((got, Chosen(tuple(path[0]), frozenset(moved))))
+        return True
 
-    got = {price: priced(price) for price in BYTE_PRICES}
+    for price in BYTE_PRICES:
+        priced(price)
+    for _ in range(TIES):  # (a path found again: none lies between the two)
+        at = tie(candidates, cm.h2d_pinned)
+        if at is None or at in tried or not priced(at):
+            break
+    return within(candidates)[1]
 
-    def fast_enough(price: float) -> bool:
-        t = got[price]
-        return t is not None and t[0] <= min(c[0][0] for c in candidates) * (1 + WITHIN)
 
-    ok = [p for p in BYTE_PRICES if fast_enough(p)]
-    lo = max(ok, default=0.0)
-    hi = min((p for p in BYTE_PRICES if p > lo), default=None)
-    for _ in range(BISECT if hi is not None else 0):
-        assert hi is not None
-        mid = (lo + hi) / 2
-        got[mid] = priced(mid)
-        lo, hi = (mid, hi) if fast_enough(mid) else (lo, mid)
+def within(candidates: list[tuple[tuple[float, int], Chosen]]) -> tuple[tuple[float, int], Chosen]:
+    """Of the candidates within WITHIN of the fastest, the one that copies the fewest bytes (the first on a tie)."""
     fastest = min(t for (t, _), _ in candidates)
-    return min((c for c in candidates if c[0][0] <= fastest * (1 + WITHIN)), key=lambda c: c[0][1])[1]
+    return min((c for c in candidates if c[0][0] <= fastest * (1 + WITHIN)), key=lambda c: c[0][1])
+
+
+def tie(candidates: list[tuple[tuple[float, int], Chosen]], bandwidth: float) -> float | None:
+    """The price at which the chosen candidate (`within`) and the one with the most bytes of those with fewer that
+    are not within cost the same; None where there is no such candidate."""
+    (secs, nbytes), _ = within(candidates)
+    fastest = min(t for (t, _), _ in candidates)
+    slower = [t for t, _ in candidates if t[0] > fastest * (1 + WITHIN) and t[1] < nbytes]
+    if not slower:
+        return None
+    hi_secs, hi_bytes = max(slower, key=lambda t: t[1])
+    return (hi_secs - secs) * bandwidth / (nbytes - hi_bytes)

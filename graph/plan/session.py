@@ -24,9 +24,13 @@ and for a node that streams a model block by block which resident part it keeps 
   its resident part unless that same part is on the GPU, and streams the other blocks every pass
   (graph/plan/residency.py `seconds`); at its peak everything must fit in the budget;
 - a path costs its seconds plus a price per byte copied host->GPU, one path per price: first the BYTE_PRICES
-  (seconds alone, and bytes dear), then the price at which the chosen plan so far and the plan with the most bytes
-  among those with fewer that are too slow cost the same (`tie`): a path between the two in bytes and seconds is
-  the cheapest at that price, if the programme has one; again, up to TIES times, until no new path comes.
+  (seconds alone, and bytes dear: 3 s per second of copy), then the price at which the chosen plan so far and the
+  plan with the most bytes among those with fewer that are too slow cost the same (`tie`): a path between the two in
+  bytes and seconds is the cheapest at that price, if the programme has one; again, up to TIES times, until no new
+  path comes.
+
+Pass 3's own plan stands without the programme where it moves nothing after the first run and its runs then take no
+more than WITHIN over `floor` (every node in its fastest variant, held: no plan's run is faster).
 
 Each path, and pass 3's own plan run HORIZON times, is carried out run after run by `GpuState.apply` (so all are
 priced alike, pinned copies and file reads included). Of these, among the plans within WITHIN (1 %) of the fastest
@@ -57,7 +61,7 @@ HORIZON = 8  # runs the programme looks at: this one and the seven after it
 SMALL_NODES = 5  # at most this many nodes that use the GPU in one run (one image, not a queue)...
 SMALL_MODELS = 4  # ... and this many models (resident at the start or used): the states stay few
 PARTS = 6  # a streamed model's parts: 1/PARTS, 2/PARTS, ... of its blocks resident (spread or the first ones)
-BYTE_PRICES = (0.0, 0.3)  # seconds charged per second of pinned copy (bytes / h2d_pinned): first these two...
+BYTE_PRICES = (0.0, 3.0)  # seconds charged per second of pinned copy (bytes / h2d_pinned): first these two...
 TIES = 4  # ... then at most this many more, each where two paths tie (`tie`)
 WITHIN = 0.01  # plans within 1 % of the fastest total count as fast: the fewest bytes wins
 NEAR = (1, 2, 4, 8, 16)  # near whole, finer than 1/PARTS: all of a model's blocks but these many (the bytes halve)
@@ -453,8 +457,9 @@ def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list
     runs = [first]
     while len(runs) < HORIZON:
         runs.append(greedy(runs[-1].end))
-    if not any(a.moved for a in runs[1:]):  # pass 3 moves nothing after the first run, whose loads read each model
-        return Chosen(None, frozenset())   # once: its plan stands (streaming them instead is not for a first run)
+    if not any(a.moved for a in runs[1:]) and total(runs[-1:])[0] <= floor(nodes, cm) * (1 + WITHIN):
+        return Chosen(None, frozenset())  # pass 3 moves nothing after the first run, whose loads read each model once,
+    # and then runs as fast as any plan can: its plan stands (streaming them instead is not for a first run)
     candidates = [(total(runs), Chosen(None, frozenset()))]
     session = Session(nodes, sizes, budget, cm, start)
     tried: set[float] = set()
@@ -485,6 +490,23 @@ def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list
         if at is None or at in tried or not priced(at):
             break
     return within(candidates)[1]
+
+
+def floor(nodes: list[NodeCost], cm: CostModel) -> float:
+    """The least seconds any run of `nodes` takes: each node in its fastest variant with its models on the GPU (a
+    streamed one with all its blocks kept there already), nothing loaded."""
+    least = 0.0
+    for nc in nodes:
+        times = []
+        for v in nc.variants:
+            if v.blocks is None:
+                times.append(cm.run_seconds(v))
+            else:
+                every = tuple(range(len(v.blocks.sizes)))
+                times.append(residency.reuse(residency.with_resident(v.blocks, every, cm.h2d_pinned),
+                                             cm.h2d_pinned).seconds)
+        least += min(times)
+    return least
 
 
 def within(candidates: list[tuple[tuple[float, int], Chosen]]) -> tuple[tuple[float, int], Chosen]:

@@ -233,10 +233,10 @@ def main() -> None:
             if a.text_encoder:
                 entry["text_encoder"] = bench_text_encoder(files["text_encoder"], a.steps, dev, dt)
         report["types"][kind] = entry
+        write_report(a.out, report)  # after every type: a run cut short keeps the types it finished
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    write_report(a.out, report)
 
 
 if __name__ == "__main__":

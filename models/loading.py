@@ -306,11 +306,6 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
     metas = [read_header(f)[1] for f in (tr.files if tr is not None else ())]
     distilled, source = _distilled(index, metas, [f.name for f in (tr.files if tr is not None else ())])
     te = specs["text_encoder"]
-    for f in te.files if te is not None else ():
-        meta = read_header(f)[1]
-        if "gguf.tokenizer" in meta:  # a GGUF text encoder: say which tokenizer it gets
-            log.info("%s", tokenizer_note(f, meta) if tokenizer is None else f"{f.name}: the tokenizer {tokenizer} "
-                     "is used")
     if tr is not None and te is not None:
         want = tr.config.context_dim
         have = te.config.out_dim
@@ -318,6 +313,16 @@ def inspect(paths: str | Path | Sequence[str | Path]) -> ModelSpec:
             raise CheckpointError(f"the text encoder gives {have}-wide embeddings but the transformer expects {want}: "
                                   "klein-4B pairs with Qwen3-4B and klein-9B with Qwen3-8B")
     return ModelSpec(variant, distilled, source, tr, te, specs["vae"], tokenizer)
+
+
+def gguf_tokenizer_note(te: ComponentSpec | None, tokenizer: Path | None) -> str | None:
+    """Which tokenizer a GGUF text encoder gets (None for any other text encoder): said once where the encoder is
+    loaded or first described (not at every validation, which reads the header again)."""
+    for f in te.files if te is not None else ():
+        meta = read_header(f)[1]
+        if "gguf.tokenizer" in meta:
+            return tokenizer_note(f, meta) if tokenizer is None else f"{f.name}: the tokenizer {tokenizer} is used"
+    return None
 
 
 def load(spec: ComponentSpec, *, dtype: Any = "bf16", device: Any = "cpu",

@@ -7,6 +7,7 @@ between them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from .flux2 import Flux2Transformer
 from .qwen3 import PromptTokenizer, Qwen3Encoder, encode_prompts
 from .sampling import Progress, latent_size, noise, pack_references, prepare_reference, sample, sigmas
 from .vae import Flux2VAE
+
+log = logging.getLogger(__name__)
 
 DISTILLED_STEPS, DISTILLED_GUIDANCE = 4, 1.0
 BASE_STEPS, BASE_GUIDANCE = 50, 4.0
@@ -39,6 +42,9 @@ def load_models(paths: loading.ModelSpec | str | Path | Sequence[str | Path], *,
                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Flux2Models:
     """Load every component of a spec (or of the checkpoints at `paths`) onto `device`."""
     spec = paths if isinstance(paths, loading.ModelSpec) else loading.inspect(paths)
+    note = loading.gguf_tokenizer_note(spec.text_encoder, spec.tokenizer)
+    if note:
+        log.info("%s", note)
     return Flux2Models(
         transformer=loading.load(spec.component("transformer"), dtype=dtype, device=device),
         text_encoder=loading.load(spec.component("text_encoder"), dtype=dtype, device=device),

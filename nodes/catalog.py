@@ -9,6 +9,7 @@ built-in klein-4B/9B specs; nothing here imports torch except `tokenizer`, which
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from ..models.headers import CheckpointError
 from ..models.quant import QuantError
 from .files import Files, Folders, identity
 from .types import ModelInfo
+
+log = logging.getLogger(__name__)
 
 KINDS = ("transformer", "text_encoder", "vae")
 FOLDERS = {"transformer": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}  # ComfyUI's names
@@ -109,6 +112,9 @@ class ModelCatalog:
         info = ModelInfo(f"{kind}:{path}:{dtype}", kind, LABELS[kind], spec.nbytes(dtype), spec.config, spec, dtype,
                          source)
         self._cache[("tokenizer", info.key)] = tokenizer
+        note = loading.gguf_tokenizer_note(spec, tokenizer) if kind == "text_encoder" else None
+        if note:
+            log.info("%s", note)
         return info
 
     def info_at(self, kind: str, path: Path, dtype: str | None = None, name: str | None = None) -> ModelInfo:

@@ -146,7 +146,8 @@ def _wait_for(proc: subprocess.Popen, needle: str) -> tuple[str, list[str]]:
 
 
 def test_ctrl_c_is_one_line_and_exit_130(empty: Path) -> None:
-    proc = _start(["run", "workflows/text_to_image.json", "--demo"], empty)  # 1024x1024: runs long enough
+    # 1024x1024 and 1000 steps: the run cannot end before the signal comes, however slowly this process reads
+    proc = _start(["run", "workflows/text_to_image.json", "--demo", "--set", "Sampler.steps=1000"], empty)
     try:
         _wait_for(proc, "load transformer")
         proc.send_signal(signal.SIGINT)

@@ -261,6 +261,8 @@ def test_bad_fleet_options_are_refused_before_anything_loads(argv, says, capsys)
 # ------------------------------------------------------------------------------------------ a real fleet
 
 
+# slow: a broker, a frontend and two workers through 58 prompts (about 40 s on 2 cores); .ci/run runs it
+@pytest.mark.slow
 @pytest.mark.skipif(NO_CLIENT is not None, reason=str(NO_CLIENT))
 def test_fleet_model_aware_nothing_lost_and_broker_down(rabbit, fleet_folder):
     folder = fleet_folder

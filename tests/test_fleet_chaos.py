@@ -154,6 +154,8 @@ def chaos_folder(tmp_path):
     return tmp_path
 
 
+# slow: a broker, a frontend and two restarted workers through over 60 prompts (about 45 s on 2 cores); .ci/run runs it
+@pytest.mark.slow
 @pytest.mark.skipif(NO_CLIENT is not None, reason=str(NO_CLIENT))
 def test_fleet_chaos(chaos_folder):
     folder = chaos_folder

@@ -148,6 +148,21 @@ def test_remembered_choice_is_the_same_plan() -> None:
     assert plans[2].steps == fresh.steps and plans[2].end == fresh.end
 
 
+def test_the_next_prompts_follow_the_chosen_path_without_the_programme(monkeypatch) -> None:
+    """The programme runs for the first prompt of a session only: the next ones take the moves its path chose for
+    the starts they come to (remembered in the context), and plan what a fresh context plans from there."""
+    dag, costs = graph(8, dit_block_s=0.5)
+    budget = Budget(400, 10**6)
+    calls = []
+    choose = session.choose
+    monkeypatch.setattr(session, "choose", lambda *a: calls.append(a[8]) or choose(*a))  # a[8]: the start
+    plans = one_by_one(dag, costs, budget, 6)
+    assert len(calls) == 1 and calls[0] == Residency(pinned=frozenset(MODELS))
+    assert plans[-1].variant_of("enc") == "stream"  # the programme's path, not pass 3's (see the test above)
+    fresh = planner.plan(dag, costs, MODELS, budget, CM, plans[1].end)
+    assert fresh.steps == plans[2].steps
+
+
 def test_a_run_without_repeat_and_a_queue_are_pass_3s() -> None:
     """Only a small run that will run again is planned for the runs to come: without `repeat` (the last prompt of a
     batch) the plan is pass 3's own, and a run of more than SMALL_NODES nodes that use the GPU (a queue) is too."""

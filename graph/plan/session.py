@@ -404,10 +404,12 @@ def total(runs: list[Assigned]) -> tuple[float, int]:
 
 class Chosen(NamedTuple):
     """What `best` chose for one run, remembered by `Memory`: the programme's moves (None: pass 3's own plan) and the
-    models its path unloads or streams (they get pinned copies)."""
+    models its path unloads or streams (they get pinned copies); `after`: for each later run of the chosen path, the
+    start it comes to (the run before's end) and its moves, which the next prompts take without the programme."""
 
     moves: tuple[Move, ...] | None
     moved: frozenset[str]
+    after: tuple[tuple[Residency, tuple[Move, ...] | None], ...] = ()
 
 
 class Memory:
@@ -427,6 +429,16 @@ class Memory:
             self.chosen.clear()
         self.chosen[key] = chosen
 
+    def put_path(self, key: tuple, chosen: Chosen) -> None:
+        """`chosen` for the run at `key` (its start at key[1]) and the rest of its path for the starts that path comes
+        to, where nothing was chosen for them yet: a session follows the path it planned, and plans again where the
+        path ends or the GPU is not as the path said."""
+        self.put(key, chosen)
+        for end, moves in chosen.after:
+            later = (key[0], end, *key[2:])
+            if later not in self.chosen:
+                self.put(later, Chosen(moves, chosen.moved))
+
 
 def best(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[int], names: list[str],
          nodes: list[NodeCost], sizes: Sizes, budget: Budget, cm: CostModel, start: Residency,
@@ -437,7 +449,7 @@ def best(greedy: Callable[[Residency], Assigned], first: Assigned, order: list[i
     got = memory.get(key)
     if got is None:
         got = choose(greedy, first, order, names, nodes, sizes, budget, cm, start, pins_for, prov)
-        memory.put(key, got)
+        memory.put_path(key, got)
     if got.moves is None:
         return first
     done = follow(list(got.moves), order, names, nodes, sizes, budget, cm, start, pins_for(set(got.moved)),
@@ -457,10 +469,11 @@ def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list
     runs = [first]
     while len(runs) < HORIZON:
         runs.append(greedy(runs[-1].end))
+    greedy_path = Chosen(None, frozenset(), tuple((r.end, None) for r in runs[:-1]))
     if not any(a.moved for a in runs[1:]) and total(runs[-1:])[0] <= floor(nodes, cm) * (1 + WITHIN):
-        return Chosen(None, frozenset())  # pass 3 moves nothing after the first run, whose loads read each model once,
+        return greedy_path  # pass 3 moves nothing after the first run, whose loads read each model once,
     # and then runs as fast as any plan can: its plan stands (streaming them instead is not for a first run)
-    candidates = [(total(runs), Chosen(None, frozenset()))]
+    candidates = [(total(runs), greedy_path)]
     session = Session(nodes, sizes, budget, cm, start)
     tried: set[float] = set()
 
@@ -480,7 +493,8 @@ def choose(greedy: Callable[[Residency], Assigned], first: Assigned, order: list
         got = total(done)
         if any(t == got for t, _ in candidates):
             return False
-        candidates.append((got, Chosen(tuple(path[0]), frozenset(moved))))
+        after = tuple((d.end, tuple(run)) for d, run in zip(done, path[1:], strict=False))
+        candidates.append((got, Chosen(tuple(path[0]), frozenset(moved), after)))
         return True
 
     for price in BYTE_PRICES:

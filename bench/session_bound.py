@@ -180,7 +180,11 @@ class Bound:
 def one_by_one(planner, dag, costs: dict, models: dict, budget, cm, images: int) -> tuple[float, int, list]:
     """N prompts planned one after another, each from the last one's end, with one planning context."""
     start = planner.Residency(pinned=frozenset(models))
-    context = planner.PlanContext() if hasattr(planner, "PlanContext") else None
+    # the session rule on (graph/plan/session.py; off by default): `--against` a checkout without it plans as it does
+    context = None
+    if hasattr(planner, "PlanContext"):
+        fields = getattr(planner.PlanContext, "__dataclass_fields__", {})
+        context = planner.PlanContext(session=True) if "session" in fields else planner.PlanContext()
     secs, nbytes, per = 0.0, 0, []
     for _ in range(images):
         p = planner.plan(dag, costs, models, budget, cm, start, **({"context": context} if context else {}))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,15 +32,19 @@ UNEXPECTED_SKIPS = pytest.StashKey[list]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[UNEXPECTED_SKIPS] = []
+    skipped: list[str] = []
+    config.stash[UNEXPECTED_SKIPS] = skipped
 
+    class SkipGuard:
+        """Every skipped test's report, where it reaches the process that sums up the run (with pytest-xdist that is
+        the controller, which gets the workers' reports: a worker's own items are not there)."""
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    report = yield
-    if report.skipped and item.get_closest_marker("gpu") is None and os.environ.get("VRAMGRAPH_NO_SKIPS") == "1":
-        item.config.stash[UNEXPECTED_SKIPS].append(item.nodeid)
-    return report
+        @staticmethod
+        def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+            if report.skipped and "gpu" not in report.keywords and os.environ.get("VRAMGRAPH_NO_SKIPS") == "1":
+                skipped.append(report.nodeid)
+
+    config.pluginmanager.register(SkipGuard(), "vramgraph-skip-guard")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

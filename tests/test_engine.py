@@ -126,14 +126,11 @@ def test_cache_reruns_only_what_changed_and_loads_only_new_models(engine: Engine
     assert len(second.images) == 1 and second.images[0] != first.images[0]
     assert not np.array_equal(pixels(first.images[0]), pixels(second.images[0]))  # the text matters
 
-    # Another transformer file: that model, and only that one, is read; encode is cached now. Planned for the runs to
-    # come (graph/plan/session.py: predicted 1 % faster over them), it is streamed with every block kept rather than
-    # loaded whole, which uploads the same bytes once.
+    # Another transformer file: that model, and only that one, is loaded; encode is cached now.
     p3 = copy.deepcopy(p2)
     p3["1"]["inputs"]["file"] = ALT_TRANSFORMER
     third = engine.run(p3)
-    assert weight_loads[3:] == [ALT_TRANSFORMER]
-    assert third.loads == 0 and "3/3 blocks resident" in third.plan.table()
+    assert third.loads == 1 and weight_loads[3:] == [ALT_TRANSFORMER]
     assert [n.class_type for n in third.nodes] == ["VGLoadTransformer", "VGSampler", "VGVAEDecode", "VGSaveImage"]
     assert len(pngs(folders.output)) == 3
 
@@ -263,8 +260,7 @@ def _needs(engine: Engine, prompt: dict) -> tuple[int, dict[str, int]]:
 def test_tight_budget_unloads_between_nodes_and_gives_the_same_image(name: str, tiny_models: Path,
                                                                      input_dir: Path, tmp_path: Path) -> None:
     """With a budget that holds the largest node alone, the text encoder and the transformer never share the
-    GPU whole: the plan unloads one for the other or streams one (planned for the runs to come, graph/plan/session.py,
-    the text encoder streams beside the transformer), and the picture is bit-for-bit the unlimited one."""
+    GPU: the plan unloads one for the other, and the picture is bit-for-bit the unlimited one."""
     roomy = Engine(folders_for(tiny_models, input_dir, tmp_path / "roomy"), device="cpu",
                    budget=Budget(gpu=64 * GiB, host=64 * GiB))
     reference = roomy.run(shipped(name))
@@ -276,18 +272,16 @@ def test_tight_budget_unloads_between_nodes_and_gives_the_same_image(name: str, 
                    budget=Budget(gpu=alone, host=64 * GiB))
     prep = tight.prepare(shipped(name))
     unloads = [s.step for s in prep.plan.steps if isinstance(s.step, planner.Unload)]
-    streamed = [s for s in prep.plan.steps if s.blocks is not None]
-    assert (unloads or streamed) and prep.plan.peak <= alone
+    assert unloads and prep.plan.peak <= alone
     te = next(k for k, m in prep.plan.models.items() if m.label == "text encoder")
     tr = next(k for k, m in prep.plan.models.items() if m.label == "transformer")
     assert all(not {te, tr} <= set(s.resident) for s in prep.plan.steps)
     order = [type(s.step).__name__ + ":" + getattr(s.step, "model", getattr(s.step, "node", "")) for s in
              prep.plan.steps]
-    if f"Load:{te}" in order and f"Load:{tr}" in order:
-        assert order.index(f"Unload:{te}") < order.index(f"Load:{tr}")  # the encoder leaves before the transformer
+    assert order.index(f"Unload:{te}") < order.index(f"Load:{tr}")  # the encoder leaves before the transformer
 
     result = tight.run(prep)
-    assert result.unloads == len(unloads)
+    assert result.unloads == len(unloads) >= 1
     assert np.array_equal(pixels(result.images[0]), pixels(reference.images[0]))
 
 

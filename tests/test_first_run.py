@@ -130,9 +130,15 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"vramgraph {__version__}"
 
 
+def _sigint_as_in_a_shell() -> None:
+    """Ctrl-C's default action in the child, as in a user's terminal: a pytest-xdist worker ignores SIGINT, and an
+    ignored signal stays ignored across exec (Python would then never raise KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "vramgraph", *args], cwd=cwd, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_as_in_a_shell)
 
 
 def _wait_for(proc: subprocess.Popen, needle: str) -> tuple[str, list[str]]:

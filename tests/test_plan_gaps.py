@@ -117,16 +117,11 @@ def test_queued_cfg_samplers_at_2048_stream_no_more_than_one_alone(tmp_path: Pat
                                                                    card_gib: int) -> None:
     """Base model with CFG at 2048², two prompts: running CFG's two passes one after the other ("stream-cfg") would
     keep more blocks but stream each of the others twice, 1.5x the bytes for 0.01 % less predicted time; the near
-    tie goes to "stream" (planner.TIE), so the queue streams twice what one image streams. (Pass 3's rule: the one
-    image is planned without graph/plan/session.py, which plans it for the images after it and keeps all 25 blocks
-    with "stream-cfg" where it can, tests/test_session.py.)"""
-    from vramgraph.graph.plan.planner import PlanContext
-
+    tie goes to "stream" (planner.TIE), so the queue streams twice what one image streams."""
     plan_cells = _plan_cells(tmp_path, monkeypatch)
     planning = plan_cells.planning_for(card_gib, None)
-    planning.context = PlanContext(session=False)
-    one = plan_cells.cell(planning, "text_to_image_base.json", 2048, 1, card_gib, planning.context)
-    two = plan_cells.cell(planning, "text_to_image_base.json", 2048, 2, card_gib, planning.context)
+    one = plan_cells.cell(planning, "text_to_image_base.json", 2048, 1, card_gib)
+    two = plan_cells.cell(planning, "text_to_image_base.json", 2048, 2, card_gib)
     assert one["variants"]["VGSampler"] == two["variants"]["VGSampler"] == ["stream"]
     assert two["gib_streamed"] == pytest.approx(2 * one["gib_streamed"], rel=1e-3)
 

@@ -72,18 +72,17 @@ def test_queue_loads_each_model_once_and_gives_the_same_images(tiny_models, inpu
     assert order == ["VGTextEncode"] * 4 + ["VGSampler", "VGVAEDecode", "VGSaveImage"] * 4
 
     alone = Engine(folders, budget=budget)
-    moves, encodes = 0, []
+    moves, streamed = 0, []
     for prompt, mine in zip(prompts, images, strict=True):
         r = alone.run(prompt)
         moves += r.loads
-        encodes += [n.variant for n in r.nodes if n.class_type == "VGTextEncode"]
+        streamed += [(n.class_type, n.variant) for n in r.nodes if n.variant.startswith("stream")]
         assert np.array_equal(_pixels(r.images[0]), _pixels(mine[0]))  # bit for bit
         saved = Image.open(mine[0])
         assert json.loads(saved.text["prompt"]) == prompt  # each PNG carries its own prompt
-    # image by image the encoder and the transformer cannot both stay: at the latest after the first image every
-    # text encode streams the encoder beside the resident transformer rather than swapping them (planned for the
-    # images to come, graph/plan/session.py, the first one may stream it already)
-    assert moves <= 3 and encodes[1:] == ["stream"] * 3
+    # image by image the encoder and the transformer cannot both stay: after the first image (a load of each model)
+    # every text encode streams the encoder beside the resident transformer rather than swapping them
+    assert moves == 3 and streamed == [("VGTextEncode", "stream")] * 3
 
 
 def test_cancelling_one_prompt_of_a_queue(tiny_models, input_dir, tmp_path):

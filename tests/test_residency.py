@@ -193,7 +193,7 @@ def test_a_kept_part_leaves_when_a_node_needs_its_room_or_its_model_loads_whole(
     dag, costs, models, budget, _ = _sample_then_decode(fits_beside=True)
     p1 = planner.plan(dag, costs, models, budget, cm)
     part = next(m for m in p1.end.gpu if residency.part_of(m) == "dit")
-    whole = planner.plan(dag, costs, models, Budget(1000, 10**6), cm, p1.end, repeat=False)  # (pass 3 alone)
+    whole = planner.plan(dag, costs, models, Budget(1000, 10**6), cm, p1.end)
     assert whole.variant_of("s") == "gpu"
     kinds = [(st.step.kind, getattr(st.step, "model", "")) for st in whole.steps]
     assert kinds.index(("unload", part)) < kinds.index(("load", "dit"))

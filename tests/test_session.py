@@ -144,7 +144,7 @@ def test_remembered_choice_is_the_same_plan() -> None:
     dag, costs = graph(8)
     budget = Budget(400, 10**6)
     plans = one_by_one(dag, costs, budget, 3)
-    fresh = planner.plan(dag, costs, MODELS, budget, CM, plans[1].end)
+    fresh = planner.plan(dag, costs, MODELS, budget, CM, plans[1].end, context=planner.PlanContext(session=True))
     assert plans[2].steps == fresh.steps and plans[2].end == fresh.end
 
 
@@ -159,7 +159,7 @@ def test_the_next_prompts_follow_the_chosen_path_without_the_programme(monkeypat
     plans = one_by_one(dag, costs, budget, 6)
     assert len(calls) == 1 and calls[0] == Residency(pinned=frozenset(MODELS))
     assert plans[-1].variant_of("enc") == "stream"  # the programme's path, not pass 3's (see the test above)
-    fresh = planner.plan(dag, costs, MODELS, budget, CM, plans[1].end)
+    fresh = planner.plan(dag, costs, MODELS, budget, CM, plans[1].end, context=planner.PlanContext(session=True))
     assert fresh.steps == plans[2].steps
 
 
@@ -208,7 +208,7 @@ def test_a_transformer_kept_all_but_a_block_beside_the_encoders_part() -> None:
     within 1.2x of its fewest within 1 % (1.37x without those parts)."""
     dag, costs = base_graph()
     budget, start = Budget(210, 10**6), Residency(pinned=frozenset(BASE_MODELS))
-    context, plans = planner.PlanContext(), []
+    context, plans = planner.PlanContext(session=True), []
     for _ in range(6):
         plans.append(planner.plan(dag, costs, BASE_MODELS, budget, CM, start, context=context))
         start = plans[-1].end
@@ -231,3 +231,17 @@ def test_the_next_price_is_where_the_chosen_and_the_next_slower_tie() -> None:
     candidates = [((10.0, 1000), chosen), ((10.5, 100), chosen), ((12.0, 50), chosen)]
     assert session.tie(candidates, 100.0) == pytest.approx(0.5 * 100 / 900)
     assert session.tie(candidates[:1], 100.0) is None
+
+
+def test_an_engine_plans_ahead_only_when_asked(monkeypatch) -> None:
+    """Off by default (pass 3 alone, as measured on the GPU so far); VRAMGRAPH_PLAN_AHEAD=on turns the rule on for an
+    engine's plans; any other value is refused, naming the variable."""
+    from vramgraph.graph.engine.executor import plan_ahead
+
+    monkeypatch.delenv("VRAMGRAPH_PLAN_AHEAD", raising=False)
+    assert plan_ahead() is False and planner.PlanContext().session is False
+    monkeypatch.setenv("VRAMGRAPH_PLAN_AHEAD", "on")
+    assert plan_ahead() is True
+    monkeypatch.setenv("VRAMGRAPH_PLAN_AHEAD", "yes")
+    with pytest.raises(ValueError, match="VRAMGRAPH_PLAN_AHEAD='yes': use on or off"):
+        plan_ahead()

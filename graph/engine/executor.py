@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import threading
 import time
@@ -212,6 +213,15 @@ class _Short(Exception):
     used: int = 0  # what the node had allocated (its measured peak + the failed request)
 
 
+def plan_ahead() -> bool:
+    """$VRAMGRAPH_PLAN_AHEAD: "on" plans each prompt for the ones to come (graph/plan/session.py), "off" or unset
+    with pass 3 alone; any other value is refused (ValueError naming the variable), never read as off."""
+    value = os.environ.get("VRAMGRAPH_PLAN_AHEAD", "off")
+    if value not in ("on", "off"):
+        raise ValueError(f"VRAMGRAPH_PLAN_AHEAD={value!r}: use on or off")
+    return value == "on"
+
+
 def _tried(message: str) -> int:
     """The bytes a CUDA out-of-memory message says were asked for ("Tried to allocate 2.00 GiB"), else 0."""
     m = re.search(r"Tried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)", message)
@@ -238,7 +248,9 @@ class Engine:
         # reads the device's free memory before each prompt and planned load (graph/engine/budget.py: the live budget)
         self.probe = probe if probe is not None else cuda_probe(self.device) if self.device.type == "cuda" else None
         self.cost = cost or cost_for(self.device)  # a CUDA device is probed; elsewhere the H200's, named as assumed
-        self.planning = planner.PlanContext()  # what this engine's plans share (the planner's caches)
+        # what this engine's plans share (the planner's caches); VRAMGRAPH_PLAN_AHEAD=on: plan each prompt for the
+        # ones to come (graph/plan/session.py, docs/planner.md; off by default until measured on the GPU)
+        self.planning = planner.PlanContext(session=plan_ahead())
         self.cache = OutputCache()  # node outputs and ui by signature (graph/engine/cache.py); guarded by _lock
         self._interrupt = threading.Event()  # /interrupt, from any thread: the running run stops at its next check
         self._lock = threading.Lock()

@@ -51,7 +51,8 @@ run again, a fourth that plans it for the runs to come:
 
 Nothing is ever unloaded unless a node forces it out, and nothing is loaded before the node that needs it.
 
-4. **For the runs to come** (graph/plan/session.py). With `repeat`, a small run (one image: at most 5 nodes that
+4. **For the runs to come** (graph/plan/session.py; only with `PlanContext(session=True)`, off by default until
+   measured on the GPU). With `repeat`, a small run (one image: at most 5 nodes that
    use the GPU and 4 models) is planned for the runs after it too: an exact dynamic programme over the next 8 runs
    (per model absent, whole, or a part of its blocks kept; cost: seconds plus a price per byte, several prices) and
    pass 3's own plan, each carried out by `GpuState.apply`; among those within 1 % of the fastest, the fewest bytes
@@ -108,13 +109,16 @@ class PlanContext:
     with the fast paths that change no plan. `blocks`: the block choices of streamed nodes, by spec and room
     (graph/plan/residency.py `BlockCache`), which a queue asks once per prompt and the next queue again. `sessions`:
     the choices of graph/plan/session.py for the runs to come, by the run's variants and start (a session's runs
-    come back to the same start). `session` False: pass 3's own plan even where the run will run again (to compare).
+    come back to the same start). `session` True: plan a run that will run again for the runs to come (False, the
+    default: pass 3's own plan).
     A caller that passes none gets a fresh context per plan: nothing outlives the call."""
 
     reference: bool = False
     blocks: BlockCache = field(default_factory=BlockCache)
     sessions: session.Memory = field(default_factory=session.Memory)
-    session: bool = True  # plan a run that will run again for the runs to come (False: pass 3 alone)
+    # plan a run that will run again for the runs to come (graph/plan/session.py); off by default until its plans are
+    # measured on the GPU (the engine turns it on with VRAMGRAPH_PLAN_AHEAD=on)
+    session: bool = False
 
 
 # A DAG with edges u->v where v reads u's output, or per node the nodes whose outputs it reads (its inputs' sources)

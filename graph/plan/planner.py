@@ -52,8 +52,8 @@ run again, a fourth that plans it for the runs to come:
 Nothing is ever unloaded unless a node forces it out, and nothing is loaded before the node that needs it.
 
 4. **For the runs to come** (graph/plan/session.py; only with `PlanContext(session=True)`, off by default until
-   measured on the GPU). With `repeat`, a small run (one image: at most 5 nodes that
-   use the GPU and 4 models) is planned for the runs after it too: an exact dynamic programme over the next 8 runs
+   measured on the GPU). With `repeat`, a small run (one image: at most 5 nodes that use the GPU and 4 models) is
+   planned for the runs after it too: an exact dynamic programme over the next 8 runs
    (per model absent, whole, or a part of its blocks kept; cost: seconds plus a price per byte, several prices) and
    pass 3's own plan, each carried out by `GpuState.apply`; among those within 1 % of the fastest, the fewest bytes
    win.

@@ -37,7 +37,11 @@ priced alike, pinned copies and file reads included). Of these, among the plans 
 total, the one that copies the fewest bytes (loads and streaming) is chosen, pass 3's on a tie; this run is its first
 run. Its end is where the next run starts (`Plan.end`): what stays resident is chosen for the next prompt.
 
-Pure: it sees sizes and predicted seconds, never tensors.
+The choice is remembered (`Memory`, in the caller's PlanContext) for this start and, along the chosen path, for the
+start each later run comes to: the next prompts follow the path without the programme.
+
+Off by default (`PlanContext.session`; an engine turns it on with VRAMGRAPH_PLAN_AHEAD=on) until its plans are
+measured on the GPU. Pure: it sees sizes and predicted seconds, never tensors.
 """
 
 from __future__ import annotations

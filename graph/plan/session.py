@@ -51,6 +51,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
 from . import residency
 from .gpu import Choice, GpuState, LookAhead
 from .residency import BlockPlan
@@ -79,6 +81,15 @@ class Move(NamedTuple):
     pick: int
     drop: tuple[int, ...]
     blocks: BlockPlan | None
+
+
+class Ways(NamedTuple):
+    """A node's ways from one state, by columns: the state each comes to, its seconds, its bytes copied, its move."""
+
+    after: list[tuple[int, ...]]
+    secs: list[float]
+    copied: list[int]
+    moves: list[Move]
 
 
 class Option(NamedTuple):
@@ -115,7 +126,8 @@ class Session:
         for j in self.specs:
             self.fill(j)
         self.plans: dict[int, list[tuple[int, BlockPlan]]] = {}  # per spec (by identity): a plan per part
-        self.moves: dict[tuple[int, tuple[int, ...]], list[tuple[tuple[int, ...], float, int, Move]]] = {}
+        self.moves: dict[tuple[int, tuple[int, ...]], Ways] = {}
+        self.layers: dict[tuple[int, tuple[tuple[int, ...], ...]], Layer] = {}
 
     @staticmethod
     def keys(nodes: list[NodeCost], sizes: Sizes, start: Residency) -> list[str]:
@@ -286,29 +298,38 @@ class Session:
             copied0 = sum(self.sizes.w(self.models[j]) for j in (*loads, *o.streams))
             need_b = sum(self.sizes.w(self.models[j]) for j in o.need)
             plans = self.block_plans(o, s[o.block]) if o.block >= 0 else [(-1, None)]
-            sets = [(kept, sum(self.held(j, s[j]) for j in kept)) for kept in subsets(free)]
+            sets = self.keeps(s, free, o.need, forced)
             for level, bp in plans:
                 peak = bp.gpu_bytes if bp is not None else v.activation
                 room = self.gpu - need_b - peak
-                fits = [kept for kept, held in sets if held <= room]
-                for kept in fits:
-                    if any(len(other) > len(kept) and set(kept) < set(other) for other in fits):
-                        continue  # (a larger set fits: keeping it costs nothing more)
-                    after = [ABSENT] * len(s)
-                    for j in kept:
-                        after[j] = s[j]
-                    for j in o.need:
-                        after[j] = WHOLE
-                    if bp is None:
-                        secs, copied = self.cm.run_seconds(v), 0
-                    else:
+                secs, copied = (self.cm.run_seconds(v), 0) if bp is None else (bp.seconds, bp.uploaded)
+                for held, larger, base, drop in sets:
+                    if held > room or larger <= room:
+                        continue  # (it does not fit, or a larger set fits: keeping that costs nothing more)
+                    after = list(base)
+                    if bp is not None:
                         after[o.block] = level
-                        secs, copied = bp.seconds, bp.uploaded
-                    drop = tuple(forced + [j for j in free if j not in kept])
                     out.append((tuple(after), secs + secs0, copied + copied0, Move(o.pick, drop, bp)))
         return out
 
-    def ways(self, i: int, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], float, int, Move]]:
+    def keeps(self, s: tuple[int, ...], free: list[int], need: tuple[int, ...],
+              forced: list[int]) -> list[tuple[int, int | float, list[int], tuple[int, ...]]]:
+        """Per set of the `free` models kept (the largest first): the bytes they hold, the least bytes of that set with
+        one model more (where none of those fits, no larger set does: bytes only add), the state after it (with the
+        models in `need` whole) and the models dropped."""
+        out = []
+        for kept in subsets(free):
+            held = sum(self.held(j, s[j]) for j in kept)
+            larger = min((held + self.held(j, s[j]) for j in free if j not in kept), default=math.inf)
+            after = [ABSENT] * len(s)
+            for j in kept:
+                after[j] = s[j]
+            for j in need:
+                after[j] = WHOLE
+            out.append((held, larger, after, tuple(forced + [j for j in free if j not in kept])))
+        return out
+
+    def ways(self, i: int, s: tuple[int, ...]) -> Ways:
         """`steps`, once per node and state, without a way to a state that another way reaches in no more seconds
         and with no more bytes (no price prefers it)."""
         key = (i, s)
@@ -319,38 +340,91 @@ class Session:
                 kept = best.setdefault(way[0], [])
                 if not kept or way[2] < kept[-1][2]:  # (sorted by seconds: only fewer bytes can still count)
                     kept.append(way)
-            got = self.moves[key] = [w for ways in best.values() for w in ways]
+            flat = [w for ways in best.values() for w in ways]
+            got = self.moves[key] = Ways([w[0] for w in flat], [w[1] for w in flat], [w[2] for w in flat],
+                                         [w[3] for w in flat])
         return got
 
     # ---------------------------------------------------------------------------------------- the programme
+
+    def layer(self, i: int, states: tuple[tuple[int, ...], ...]) -> Layer:
+        """Node i's ways from each of `states` (`ways`), once per node and states: a path's runs come back to the
+        same states, and every price goes the same ways."""
+        key = (i, states)
+        got = self.layers.get(key)
+        if got is None:
+            afters: dict[tuple[int, ...], int] = {}
+            src: list[int] = []
+            dst: list[int] = []
+            secs: list[float] = []
+            copied: list[int] = []
+            moves: list[Move] = []
+            for k, s in enumerate(states):
+                ways = self.ways(i, s)
+                src += [k] * len(ways.after)
+                dst += [afters.setdefault(after, len(afters)) for after in ways.after]
+                secs += ways.secs
+                copied += ways.copied
+                moves += ways.moves
+            got = self.layers[key] = Layer.of(tuple(afters), src, dst, secs, copied, moves)
+        return got
 
     def paths(self, runs: int, price: float) -> list[list[Move]]:
         """The cheapest path over `runs` runs of the order from the start (seconds + price x bytes at pinned speed),
         as each run's moves."""
         per_byte = price / self.bw
         n = len(self.nodes)
-        cost = {self.start: 0.0}
-        back: list[dict[tuple[int, ...], tuple[tuple[int, ...], Move]]] = []  # per node run: how each state came
+        cost = np.zeros(1)
+        states: tuple[tuple[int, ...], ...] = (self.start,)
+        back: list[tuple[Layer, np.ndarray]] = []  # per node run: the way that came to each state
         for step in range(runs * n):
-            nxt: dict[tuple[int, ...], float] = {}
-            how: dict[tuple[int, ...], tuple[tuple[int, ...], Move]] = {}
-            for s, c in cost.items():
-                for after, secs, copied, move in self.ways(step % n, s):
-                    total = c + secs + copied * per_byte
-                    if total < nxt.get(after, math.inf):
-                        nxt[after] = total
-                        how[after] = (s, move)
-            if not nxt:
+            lay = self.layer(step % n, states)
+            if not lay.states:
                 return []
-            cost = nxt
-            back.append(how)
-        s = min(cost, key=cost.__getitem__)
+            cost, came = lay.cheapest(cost, per_byte)
+            states = lay.states
+            back.append((lay, came))
+        at = int(np.argmin(cost))  # (the first of the cheapest, as every choice here)
         moves: list[Move] = []
-        for how in reversed(back):
-            s, last = how[s]
-            moves.append(last)
+        for lay, came in reversed(back):
+            way = int(came[at])
+            moves.append(lay.moves[way])
+            at = int(lay.src[way])
         moves.reverse()
         return [moves[r * n:(r + 1) * n] for r in range(runs)]
+
+
+class Layer(NamedTuple):
+    """One node's ways from a list of states, grouped by the state they come to (in the order each is first come
+    to, and in each group in the order of the ways): `src` the state each comes from, `states` those it comes to."""
+
+    states: tuple[tuple[int, ...], ...]
+    src: np.ndarray
+    dst: np.ndarray
+    secs: np.ndarray
+    copied: np.ndarray
+    moves: list[Move]
+    starts: np.ndarray  # where each group begins
+
+    @staticmethod
+    def of(states: tuple[tuple[int, ...], ...], src: list[int], dst: list[int], secs: list[float],
+           copied: list[int], moves: list[Move]) -> Layer:
+        order = np.argsort(np.array(dst, dtype=np.int64), kind="stable")
+        to = np.array(dst, dtype=np.int64)[order]
+        starts = np.flatnonzero(np.r_[True, to[1:] != to[:-1]]) if len(to) else np.zeros(0, dtype=np.int64)
+        # (bytes < 2**53 are exact as floats: `cheapest` adds the very numbers a walk over the ways in Python would)
+        return Layer(states, np.array(src, dtype=np.int64)[order], to, np.array(secs, dtype=np.float64)[order],
+                     np.array(copied, dtype=np.float64)[order], [moves[k] for k in order], starts)
+
+    def cheapest(self, cost: np.ndarray, per_byte: float) -> tuple[np.ndarray, np.ndarray]:
+        """Each state's least cost (the cost of the state it comes from + seconds + bytes x per_byte) and the way
+        that gives it: the first of the cheapest in the group (as a walk over the ways that keeps only a cheaper one
+        would)."""
+        total = cost[self.src] + self.secs + self.copied * per_byte
+        least = np.minimum.reduceat(total, self.starts)
+        at = np.flatnonzero(total == least[self.dst])
+        came = at[np.r_[True, self.dst[at][1:] != self.dst[at][:-1]]]
+        return total[came], came
 
 
 def keep_all_but(spec: Blocks, streamed: int) -> tuple[int, ...]:

@@ -245,3 +245,48 @@ def test_an_engine_plans_ahead_only_when_asked(monkeypatch) -> None:
     monkeypatch.setenv("VRAMGRAPH_PLAN_AHEAD", "yes")
     with pytest.raises(ValueError, match="VRAMGRAPH_PLAN_AHEAD='yes': use on or off"):
         plan_ahead()
+
+
+def _walk(s: session.Session, runs: int, price: float) -> list[list[session.Move]]:
+    """`Session.paths` written as the plain walk it replaces: per node run, each state's cheapest way in (the first
+    of the cheapest, in the order of the states and their ways), then back from the cheapest state at the end."""
+    per_byte, n = price / s.bw, len(s.nodes)
+    cost = {s.start: 0.0}
+    back = []
+    for step in range(runs * n):
+        nxt: dict[tuple[int, ...], float] = {}
+        how: dict[tuple[int, ...], tuple[tuple[int, ...], session.Move]] = {}
+        for state, c in cost.items():
+            ways = s.ways(step % n, state)
+            for after, secs, copied, move in zip(ways.after, ways.secs, ways.copied, ways.moves, strict=True):
+                total = c + secs + copied * per_byte
+                if total < nxt.get(after, float("inf")):
+                    nxt[after], how[after] = total, (state, move)
+        if not nxt:
+            return []
+        cost = nxt
+        back.append(how)
+    at = min(cost, key=cost.__getitem__)
+    moves = []
+    for how in reversed(back):
+        at, move = how[at]
+        moves.append(move)
+    moves.reverse()
+    return [moves[r * n:(r + 1) * n] for r in range(runs)]
+
+
+@pytest.mark.parametrize(("make", "models", "gpu"), [(graph, MODELS, 400), (graph, MODELS, 300),
+                                                      (base_graph, BASE_MODELS, 210), (base_graph, BASE_MODELS, 160)])
+def test_the_programme_takes_the_paths_of_the_plain_walk(make, models, gpu) -> None:
+    """`Session.paths` (each node's ways from a list of states built once, the cheapest way into each state picked
+    with numpy) gives the path of the plain walk over the ways, at every price the rule tries."""
+    from vramgraph.graph.plan.sizes import Sizes
+
+    _, costs = make()
+    s = session.Session([costs["enc"], costs["sample"], costs["decode"]], Sizes(models), Budget(gpu, 10**6), CM,
+                        Residency(pinned=frozenset(models)))
+    paths = {}
+    for price in (*session.BYTE_PRICES, 0.01, 0.3, 1.0):
+        paths[price] = s.paths(session.HORIZON, price)
+        assert len(paths[price]) == session.HORIZON and paths[price] == _walk(s, session.HORIZON, price)
+    assert len({repr(p) for p in paths.values()}) >= 2  # the prices lead to different paths: the walk is not trivial

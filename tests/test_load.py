@@ -111,6 +111,7 @@ async def _run(url: str) -> list[dict[str, Any]]:
                                   RUN_TIMEOUT)
 
 
+@pytest.mark.slow  # 8 clients and 25 prompts on one server, end to end (about 20 s of CPU): `pytest -m slow`
 def test_load_8_clients_25_prompts_with_deletes_and_interrupts(serve):
     import requests
 

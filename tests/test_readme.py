@@ -71,6 +71,7 @@ def _free_port(cmd: list[str]) -> list[str]:
     return [*cmd[:i + 1], str(port), *cmd[i + 2:]]
 
 
+@pytest.mark.slow  # every command README.md lists, end to end (about 45 s of CPU): CI runs it (`pytest -m slow`)
 def test_readme_commands_exit_0(folder: Path) -> None:
     for args in commands():
         cmd = [sys.executable, "-m", "vramgraph", *args]

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,32 @@ import torch
 # value set by the caller is kept.
 if not torch.cuda.is_available():
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
+
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_tokenizer_per_file_content() -> Iterator[None]:
+    """The real Qwen3 tokenizer.json takes 0.6 s of CPU to load, and every engine's catalogue loads its own (the
+    library keeps one per catalogue): in the tests, a process loads each tokenizer file's content once. Files that
+    fail to load are not remembered (the error is raised every time, as without this)."""
+    from vramgraph.models.qwen3 import PromptTokenizer
+
+    loaded: dict[str, PromptTokenizer] = {}
+    original = PromptTokenizer.from_file
+
+    def from_file(path: str | Path, max_length: int = 512, pad_id: int = 151643) -> PromptTokenizer:
+        try:
+            key = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError:
+            return original(path, max_length, pad_id)
+        if key not in loaded:
+            loaded[key] = original(path, max_length, pad_id)
+        # the same parsed vocabulary, in a PromptTokenizer of its own (its file, its lengths)
+        return PromptTokenizer(loaded[key].tokenizer, max_length, pad_id, origin=str(path))
+
+    PromptTokenizer.from_file = from_file  # type: ignore[method-assign]
+    yield
+    PromptTokenizer.from_file = original  # type: ignore[method-assign]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -141,14 +142,21 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_as_in_a_shell)
 
 
-def _wait_for(proc: subprocess.Popen, needle: str) -> tuple[str, list[str]]:
-    """Read stderr lines until one holds `needle`; returns it and the lines before."""
+def _wait_for(proc: subprocess.Popen, needle: str, timeout: float = 300) -> tuple[str, list[str]]:
+    """Read stderr lines until one holds `needle`; returns it and the lines before. A process that has not printed it
+    within `timeout` seconds is killed (the test fails with what it printed, and never hangs the suite)."""
     seen = []
-    for line in proc.stderr:
-        if needle in line:
-            return line, seen
-        seen.append(line)
-    raise AssertionError(f"the process ended without printing {needle!r}: {''.join(seen)}")
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    try:
+        for line in proc.stderr:
+            if needle in line:
+                return line, seen
+            seen.append(line)
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"the process ended (or was killed after {timeout:.0f} s) without printing {needle!r}: "
+                         f"{''.join(seen)}")
 
 
 def test_ctrl_c_is_one_line_and_exit_130(empty: Path) -> None:

@@ -138,6 +138,18 @@ def test_options_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         step.StepOptions.from_env()
 
 
+def test_a_bad_step_setting_is_refused_before_any_work(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
+    """The CLI says it in one line and exits 2 before reading a model, not as a sampler node's failure mid-run."""
+    from vramgraph.cli.main import main
+
+    monkeypatch.setenv("VRAMGRAPH_COMPILE", "yes")
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--demo", "-p", "a cat", "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "vramgraph generate: VRAMGRAPH_COMPILE='yes': use one of auto, on, off"
+    assert "VGSampler" not in err and not (tmp_path / "x.png").exists()
+
+
 def test_ledger_tolerates_a_broken_file(tmp_path) -> None:
     led = step.CompileLedger(tmp_path)
     (tmp_path / "compiled.json").write_text("{not json")

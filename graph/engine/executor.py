@@ -37,6 +37,7 @@ import torch
 
 from ...models.dtypes import torch_dtype
 from ...models.qwen3 import PromptTokenizer
+from ...models.step import StepOptions
 from ...models.streaming import Kept
 from ...nodes import ENGINE_NODES
 from ...nodes.catalog import ModelCatalog
@@ -251,6 +252,7 @@ class Engine:
         # what this engine's plans share (the planner's caches); VRAMGRAPH_PLAN_AHEAD=on: plan each prompt for the
         # ones to come (graph/plan/session.py, docs/planner.md; off by default until measured on the GPU)
         self.planning = planner.PlanContext(session=plan_ahead())
+        StepOptions.from_env()  # a bad $VRAMGRAPH_COMPILE or $VRAMGRAPH_ATTENTION is refused now, not mid-run
         self.cache = OutputCache()  # node outputs and ui by signature (graph/engine/cache.py); guarded by _lock
         self._interrupt = threading.Event()  # /interrupt, from any thread: the running run stops at its next check
         self._lock = threading.Lock()
